@@ -1,0 +1,384 @@
+"""Backward passes for the kernel-backend ops (`torchtitan_compat/ops.py`).
+
+vLLM's kernels are forward-only. Each op here is a `torch.autograd.Function` whose forward calls
+the backend's op unchanged - its output is the backend's output bit for bit, which is what
+trainer/rollout parity depends on - and whose backward is written out in plain PyTorch.
+
+Every backward is deterministic: dense matmuls and reductions over fixed shapes in a fixed
+order, no atomics, no scatter/index_add with duplicate indices. Two identical backward passes
+give bitwise-identical gradients. Gradients are computed in float32 (float64 when the inputs
+are float64, for gradient checks) and cast back to the dtype of the input they belong to.
+
+Public functional API (what the model calls):
+    rms_norm(x, weight, eps, backend)
+    silu_and_mul(x, backend)
+    linear(x, weight, backend)
+    rotary(positions, q, k, cos_sin_cache, backend) -> (q_rot, k_rot)
+    attention(q, k, v, cu_seqlens, max_seqlen, scale, backend, block=128) -> out
+    token_logprobs(logits, ids, backend) -> float32 [T]
+
+When no input needs a gradient (or under `torch.no_grad()`), these call the backend directly and
+save nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtitan_compat.attention import (
+    DEFAULT_BLOCK,
+    causal_block_scores,
+    compute_dtype,
+    expand_kv,
+    iter_sequences,
+)
+
+# Output rows of W whose weight gradient is formed per float32 matmul in `linear`'s backward.
+# Bounds the float32 copy of the incoming gradient (an lm_head's g is [T, vocab]).
+WEIGHT_GRAD_ROW_CHUNK = 16384
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = backend.rms_norm(x, w, eps), normalising over the last dim (size N).
+
+    Forward (per row x of length N):
+        r = 1 / sqrt(mean(x^2) + eps)
+        y = (x * r) * w
+    Backward, with gw = g * w:
+        dx = r * gw - x * r^3 * mean(gw * x)
+        dw = sum over rows of g * x * r
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, backend):
+        y = backend.rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        cdt = compute_dtype(x.dtype)
+        xf, wf, g = x.to(cdt), weight.to(cdt), grad_out.to(cdt)
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            gw = g * wf
+            dx = r * gw - xf * r.pow(3) * (gw * xf).mean(-1, keepdim=True)
+            dx = dx.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (g * xf * r).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        return dx, dw, None, None
+
+
+def rms_norm(x, weight, eps: float, backend):
+    """RMSNorm over the last dim of x ([T, N] or [T, H, D]) with weight [N]."""
+    if not _needs_grad(x, weight):
+        return backend.rms_norm(x, weight, eps)
+    return RMSNormFunction.apply(x, weight, eps, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# SiLU-and-mul (the SwiGLU gate)
+# --------------------------------------------------------------------------------------------
+
+
+class SiluAndMulFunction(torch.autograd.Function):
+    """out = backend.silu_and_mul(x) for x = [a | b] (last dim 2I, halves of size I).
+
+    Forward:
+        out = silu(a) * b,   silu(a) = a * sigmoid(a)
+    Backward, with s = sigmoid(a):
+        da = g * b * s * (1 + a * (1 - s))
+        db = g * silu(a)
+    """
+
+    @staticmethod
+    def forward(ctx, x, backend):
+        out = backend.silu_and_mul(x)
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        cdt = compute_dtype(x.dtype)
+        a, b = x.to(cdt).chunk(2, dim=-1)
+        g = grad_out.to(cdt)
+        s = torch.sigmoid(a)
+        da = g * b * s * (1 + a * (1 - s))
+        db = g * a * s
+        return torch.cat([da, db], dim=-1).to(x.dtype), None
+
+
+def silu_and_mul(x, backend):
+    """silu(x[..., :I]) * x[..., I:]."""
+    if not _needs_grad(x):
+        return backend.silu_and_mul(x)
+    return SiluAndMulFunction.apply(x, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# Linear (no bias)
+# --------------------------------------------------------------------------------------------
+
+
+def _weight_grad(g2: torch.Tensor, x2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """dW = g2^T x2 ([N, T] @ [T, K]) accumulated in float32 (float64 for float64), cast to
+    out_dtype. Formed in fixed chunks of output rows so the upcast copy of g2 stays bounded;
+    each element's reduction over T is one matmul, so the chunking does not change the math."""
+    cdt = compute_dtype(g2.dtype)
+    xc = x2.to(cdt)
+    n_out = g2.shape[1]
+    dw = torch.empty(n_out, x2.shape[1], dtype=out_dtype, device=g2.device)
+    for j0 in range(0, n_out, WEIGHT_GRAD_ROW_CHUNK):
+        j1 = min(j0 + WEIGHT_GRAD_ROW_CHUNK, n_out)
+        dw[j0:j1] = torch.matmul(g2[:, j0:j1].to(cdt).t(), xc).to(out_dtype)
+    return dw
+
+
+class LinearFunction(torch.autograd.Function):
+    """y = backend.linear(x, W) for x [..., K], W [N, K].
+
+    Forward:
+        y = x W^T
+    Backward (leading dims of x and g flattened to rows):
+        dx = g W
+        dW = g^T x   (accumulated in float32 for low-precision inputs, then cast to W's dtype)
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, backend):
+        y = backend.linear(x, weight)
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, weight.shape[0])
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.matmul(g2, weight).reshape(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _weight_grad(g2, x.reshape(-1, x.shape[-1]), weight.dtype)
+        return dx, dw, None
+
+
+def linear(x, weight, backend):
+    """x W^T without bias."""
+    if not _needs_grad(x, weight):
+        return backend.linear(x, weight)
+    return LinearFunction.apply(x, weight, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary embedding (neox style)
+# --------------------------------------------------------------------------------------------
+
+
+def _cos_sin(cos_sin_cache, positions, dtype):
+    """cos, sin [T, D/2] in the compute dtype of `dtype`. The cache is first cast to the
+    activation dtype because that is the coefficient the forward applies (vLLM keeps the cache
+    in the model dtype); the backward must rotate back by that same matrix."""
+    cos, sin = cos_sin_cache[positions].to(dtype).to(compute_dtype(dtype)).chunk(2, dim=-1)
+    return cos[:, None, :], sin[:, None, :]
+
+
+def _inverse_rotate_neox(grad, cos, sin):
+    """Transpose of (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin):
+    (g1, g2) -> (g1 cos + g2 sin, g2 cos - g1 sin)."""
+    g1, g2 = grad.chunk(2, dim=-1)
+    return torch.cat([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1)
+
+
+class RotaryFunction(torch.autograd.Function):
+    """(q_rot, k_rot) = backend.rotary(positions, q, k, cos_sin_cache); q [T, Hq, D], k [T, Hk, D].
+
+    Forward (neox: each head split into halves x1, x2; c, s = cos, sin of the token's position):
+        (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
+    Backward (a rotation's transpose is its inverse):
+        (g1, g2) -> (g1 c + g2 s, g2 c - g1 s)
+    No gradient for positions or the cache.
+    """
+
+    @staticmethod
+    def forward(ctx, positions, q, k, cos_sin_cache, backend):
+        q_rot, k_rot = _rotary_on_copies(positions, q, k, cos_sin_cache, backend)
+        ctx.save_for_backward(positions, cos_sin_cache)
+        ctx.q_dtype, ctx.k_dtype = q.dtype, k.dtype
+        return q_rot, k_rot
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        positions, cos_sin_cache = ctx.saved_tensors
+        dq = dk = None
+        if ctx.needs_input_grad[1] and grad_q is not None:
+            cos, sin = _cos_sin(cos_sin_cache, positions, ctx.q_dtype)
+            dq = _inverse_rotate_neox(grad_q.to(cos.dtype), cos, sin).to(ctx.q_dtype)
+        if ctx.needs_input_grad[2] and grad_k is not None:
+            cos, sin = _cos_sin(cos_sin_cache, positions, ctx.k_dtype)
+            dk = _inverse_rotate_neox(grad_k.to(cos.dtype), cos, sin).to(ctx.k_dtype)
+        return None, dq, dk, None, None
+
+
+def _rotary_on_copies(positions, q, k, cos_sin_cache, backend):
+    # vLLM's rotary kernel rotates in place; hand it copies so the caller's q and k (autograd
+    # inputs, possibly views of a fused qkv) are never mutated.
+    return backend.rotary(positions, q.clone(), k.clone(), cos_sin_cache)
+
+
+def rotary(positions, q, k, cos_sin_cache, backend):
+    """Neox rotary embedding of q and k at `positions`; never mutates q or k."""
+    if not _needs_grad(q, k):
+        return _rotary_on_copies(positions, q, k, cos_sin_cache, backend)
+    return RotaryFunction.apply(positions, q, k, cos_sin_cache, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# Varlen causal attention
+# --------------------------------------------------------------------------------------------
+
+
+def _heads_first(x: torch.Tensor, start: int, end: int, dtype) -> torch.Tensor:
+    """Rows start:end of a [T, H, D] tensor as [H, L, D] in `dtype`."""
+    return x[start:end].transpose(0, 1).to(dtype)
+
+
+def _sum_head_groups(dx_expanded: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """[Hq, L, D] -> [Hk, L, D]: sums the n_rep query heads that shared each kv head (the
+    transpose of `expand_kv`'s repeat_interleave), as a view + sum in a fixed order."""
+    hq, length, d = dx_expanded.shape
+    return dx_expanded.view(n_kv_heads, hq // n_kv_heads, length, d).sum(1)
+
+
+def _sequence_attention_backward(qs, ks, vs, outs, douts, lse, scale: float, block: int):
+    """Gradients of one sequence's causal attention, all tensors [H, L, D] (lse [H, L]) in the
+    compute dtype with kv heads already expanded to H. Walks query blocks as the forward does;
+    each block's probabilities are recomputed from the saved lse, so the largest intermediate
+    is one [H, block, L] slab."""
+    length = qs.shape[1]
+    delta = (douts * outs).sum(-1)  # D = rowsum(dO * O), [H, L]
+    dq = torch.empty_like(qs)
+    dk = torch.zeros_like(ks)
+    dv = torch.zeros_like(vs)
+    for i0 in range(0, length, block):
+        i1 = min(i0 + block, length)
+        q_blk, do_blk = qs[:, i0:i1], douts[:, i0:i1]
+        k_seen, v_seen = ks[:, :i1], vs[:, :i1]
+        probs = torch.exp(causal_block_scores(q_blk, k_seen, i0, scale) - lse[:, i0:i1, None])
+        dv[:, :i1] += torch.matmul(probs.transpose(-1, -2), do_blk)
+        dprobs = torch.matmul(do_blk, v_seen.transpose(-1, -2))
+        dscores = probs * (dprobs - delta[:, i0:i1, None])
+        dq[:, i0:i1] = torch.matmul(dscores, k_seen) * scale
+        dk[:, :i1] += torch.matmul(dscores.transpose(-1, -2), q_blk) * scale
+    return dq, dk, dv
+
+
+class AttentionFunction(torch.autograd.Function):
+    """out = backend.attention(q, k, v, cu_seqlens, max_seqlen, scale)[0]: causal attention over
+    packed variable-length sequences; q [T, Hq, D], k/v [T, Hk, D], query head h reads kv head
+    h // (Hq / Hk).
+
+    Forward, per sequence and head (the backend also returns lse, which is saved):
+        S = scale * Q K^T (future keys masked), lse = logsumexp_rows(S)
+        P = exp(S - lse),  O = P V
+    Backward, per sequence, walking blocks of `block` query rows against the keys they see
+    (never an S x S matrix; P is recomputed from the saved lse):
+        D  = rowsum(dO * O)            (once per row)
+        dV += P^T dO
+        dP = dO V^T
+        dS = P * (dP - D)
+        dQ_blk = scale * dS K
+        dK += scale * dS^T Q_blk
+    then dK, dV of the Hq/Hk query heads sharing a kv head are summed. Accumulation is in
+    float32 (float64 for float64 inputs).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, backend, block):
+        out, lse = backend.attention(q, k, v, cu_seqlens, max_seqlen, scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.scale, ctx.block = scale, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        cdt = compute_dtype(q.dtype)
+        n_kv = k.shape[1]
+        n_rep = q.shape[1] // n_kv
+        # zeros: rows outside every sequence (cu_seqlens not covering T) get no gradient.
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for start, end in iter_sequences(cu_seqlens):
+            if end == start:
+                continue
+            grads = _sequence_attention_backward(
+                qs=_heads_first(q, start, end, cdt),
+                ks=expand_kv(_heads_first(k, start, end, cdt), n_rep),
+                vs=expand_kv(_heads_first(v, start, end, cdt), n_rep),
+                outs=_heads_first(out, start, end, cdt),
+                douts=_heads_first(grad_out, start, end, cdt),
+                lse=lse[:, start:end].to(cdt),
+                scale=ctx.scale,
+                block=ctx.block,
+            )
+            dq_s, dk_s, dv_s = grads
+            dq[start:end] = dq_s.transpose(0, 1).to(q.dtype)
+            dk[start:end] = _sum_head_groups(dk_s, n_kv).transpose(0, 1).to(k.dtype)
+            dv[start:end] = _sum_head_groups(dv_s, n_kv).transpose(0, 1).to(v.dtype)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, backend, block: int = DEFAULT_BLOCK):
+    """Causal varlen attention; returns out [T, Hq, D]. `block` is the backward's query-block
+    size (the forward's tiling is the backend's own)."""
+    if not _needs_grad(q, k, v):
+        return backend.attention(q, k, v, cu_seqlens, max_seqlen, scale)[0]
+    return AttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, scale, backend, block)
+
+
+# --------------------------------------------------------------------------------------------
+# Token log-probabilities (the sampler's logprob op)
+# --------------------------------------------------------------------------------------------
+
+
+class TokenLogprobsFunction(torch.autograd.Function):
+    """lp = backend.token_logprobs(z, ids): float32 [T], lp_t = log softmax(z_t)[ids_t], z [T, V].
+
+    Forward (the backend's kernel, e.g. vLLM's sampler kernel):
+        lp_t = z_t[ids_t] - max(z_t) - log(sum_j exp(z_tj - max(z_t)))
+    Backward, with p_t = softmax(z_t) recomputed in float32 (float64 for float64 logits):
+        dz_tj = g_t * ([j == ids_t] - p_tj)
+    cast to z's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ids, backend):
+        ctx.save_for_backward(logits, ids)
+        return backend.token_logprobs(logits, ids)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, ids = ctx.saved_tensors
+        cdt = compute_dtype(logits.dtype)
+        dz = torch.softmax(logits.to(cdt), dim=-1).neg_()
+        dz.scatter_add_(-1, ids[:, None], torch.ones_like(ids[:, None], dtype=cdt))  # one index per row
+        return (dz * grad_out.to(cdt)[:, None]).to(logits.dtype), None, None
+
+
+def token_logprobs(logits, ids, backend):
+    """log softmax(logits)[t, ids[t]] for each row t, in float32 (float64 for float64 logits)."""
+    if not _needs_grad(logits):
+        return backend.token_logprobs(logits, ids)
+    return TokenLogprobsFunction.apply(logits, ids, backend)

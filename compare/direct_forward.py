@@ -1,0 +1,106 @@
+"""Generate with vLLM, recompute with Qwen3VLLMCompatModel, and compare every logprob bit for bit.
+
+    VLLM_BATCH_INVARIANT=1 python compare/direct_forward.py --model DIR --prompt "The capital of France is"
+
+Prints a per-token table and a summary; exit status 0 only on an exact bitwise match of every
+sampled token's logprob (and at least one token compared), 1 on any mismatch, 2 on bad arguments.
+With --localize, a mismatch is followed by the first layer/op where vLLM's and our activations
+differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import torch  # noqa: E402
+
+from compare.harness import OPS, HarnessConfig, ParityHarness  # noqa: E402
+from compare.table import format_rows  # noqa: E402
+
+log = logging.getLogger("direct_forward")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint directory (or HF repo id to download)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (encoded once with the checkpoint's tokenizer)")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per sample")
+    p.add_argument("--samples", type=int, default=1, help="samples per prompt (vLLM n)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="prompts per generate call: yours plus batch-1 random prompts of other lengths")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=("vllm", "reference"), default="vllm",
+                   help="trainer kernel backend (reference = plain PyTorch, expected to differ)")
+    p.add_argument("--swap-op", choices=OPS, help="use plain PyTorch for this one op (expected to differ)")
+    p.add_argument("--localize", action="store_true", help="on mismatch, find the first differing op")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    args = p.parse_args(argv)
+    for name in ("max_tokens", "samples", "batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.temperature <= 0:
+        p.error("--temperature must be > 0 (greedy decoding is not compared here)")
+    return args
+
+
+def prompt_ids(args, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise SystemExit(f"error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
+    else:
+        ids = tokenizer.encode(args.prompt, add_special_tokens=False)
+    if not ids:
+        raise SystemExit("error: the prompt is empty")
+    return ids
+
+
+def filler_prompts(count: int, seed: int) -> list[list[int]]:
+    """Random prompts of varied lengths, batched beside the user's to exercise batch invariance."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 600, (count,), generator=g).tolist()
+    return [torch.randint(0, 151643, (n,), generator=g).tolist() for n in lengths]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    import weights
+    from spirl.tokenizer import load_tokenizer
+
+    model_dir = str(weights.resolve_model_dir(args.model))
+    tokenizer = load_tokenizer(model_dir)
+    ids = prompt_ids(args, tokenizer)
+    harness = ParityHarness(HarnessConfig(model_dir, args.backend, args.swap_op, args.seed,
+                                          args.gpu_memory_utilization))
+    prompts = [ids] + filler_prompts(args.batch - 1, args.seed)
+    samples = harness.generate(prompts, args.samples, args.max_tokens, args.temperature, args.seed)
+    report, trainer = harness.compare(samples)
+    for i in range(args.samples):  # the user's prompt comes first: its samples are 0..n-1
+        print(f"\nsample {i}: prompt {len(ids)} tokens, {len(samples[i].completion_ids)} generated")
+        print("\n".join(format_rows(samples[i].completion_ids, samples[i].logprobs, trainer[i],
+                                    tokenizer.decode)))
+    print(f"\nprompts in the generate call: {len(prompts)}, samples: {len(samples)}, "
+          f"trainer backend: {harness.model.backend.name}")
+    print(f"Bitwise identical: {report.bitwise_identical}")
+    print(f"Tokens compared: {report.tokens_compared}")
+    print(f"Tokens different: {report.tokens_different}")
+    print(report.summary().split(" - ")[-1])
+    if not report.bitwise_identical and args.localize:
+        from compare.localize import localize_sample
+
+        print(localize_sample(harness, samples[report.first_mismatch[0]].ids))
+    return 0 if report.bitwise_identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

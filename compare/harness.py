@@ -1,0 +1,95 @@
+"""One vLLM engine and one trainer model on the same checkpoint, compared token by token.
+
+Used by `direct_forward.py` (one prompt, a table) and `parity_matrix.py` (many shapes of batch).
+The trainer recomputes the sampled sequences in packed forwards of at most `max_packed_tokens`
+tokens and its logprobs are compared with vLLM's by bit pattern.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from spirl.engines.base import Sample
+from spirl.parity import ParityReport, compare_logprobs, completion_logprobs
+
+log = logging.getLogger(__name__)
+
+OPS = ("rms_norm", "silu_and_mul", "linear", "rotary", "attention", "token_logprobs")
+
+
+@dataclass
+class HarnessConfig:
+    model_dir: str
+    backend: str = "vllm"
+    """Trainer kernel backend ('reference' = plain PyTorch: a check that must fail)."""
+    swap_op: str | None = None
+    """Replace this one op of the trainer's backend by the plain-PyTorch one (must fail)."""
+    seed: int = 0
+    gpu_memory_utilization: float = 0.35
+    max_model_len: int = 4096
+    max_packed_tokens: int = 16384
+    allow_batch_variant: bool = False
+    """Run even without VLLM_BATCH_INVARIANT=1 (only to show that the check then fails)."""
+
+
+class SwappedOpBackend:
+    """The trainer backend with one op taken from the reference backend (to prove the check bites)."""
+
+    def __init__(self, base, op: str):
+        from torchtitan_compat.ops import ReferenceBackend
+
+        if op not in OPS:
+            raise ValueError(f"--swap-op must be one of {', '.join(OPS)}, got {op!r}")
+        self._base, self._ref, self._op = base, ReferenceBackend(), op
+        self.name = f"{base.name}+reference:{op}"
+
+    def __getattr__(self, item):
+        return getattr(self._ref if item == self._op else self._base, item)
+
+
+class ParityHarness:
+    def __init__(self, cfg: HarnessConfig):
+        from spirl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+        from torchtitan_compat.loading import load_model
+
+        self.cfg = cfg
+        self.engine = VLLMEngine(VLLMEngineConfig(
+            cfg.model_dir, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
+            require_batch_invariant=not cfg.allow_batch_variant))
+        backend = cfg.backend
+        if backend == "vllm":
+            from torchtitan_compat.vllm_ops import VLLMBackend
+
+            backend = VLLMBackend(require_batch_invariant=not cfg.allow_batch_variant)
+        self.model = load_model(cfg.model_dir, device="cuda", dtype=torch.bfloat16,
+                                backend=backend).eval()
+        if cfg.swap_op:
+            self.model.backend = SwappedOpBackend(self.model.backend, cfg.swap_op)
+        log.info("trainer kernel backend: %s", self.model.backend.name)
+
+    def engine_rope_cache(self) -> torch.Tensor:
+        return self.engine.model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+
+    def generate(self, prompts, n, max_tokens, temperature, seed) -> list[Sample]:
+        return self.engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature,
+                                    seed=seed)
+
+    @torch.no_grad()
+    def trainer_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        out, chunk, size = [], [], 0
+        for s in samples:
+            if chunk and size + len(s.ids) > self.cfg.max_packed_tokens:
+                out += completion_logprobs(self.model, chunk, "cuda")
+                chunk, size = [], 0
+            chunk.append(s)
+            size += len(s.ids)
+        if chunk:
+            out += completion_logprobs(self.model, chunk, "cuda")
+        return [t.cpu() for t in out]
+
+    def compare(self, samples: list[Sample]) -> tuple[ParityReport, list[torch.Tensor]]:
+        trainer = self.trainer_logprobs(samples)
+        return compare_logprobs([s.logprobs for s in samples], trainer), trainer

@@ -1,0 +1,1 @@
+"""SPIRL: bitwise-deterministic RL for Qwen3 (vLLM rollouts, a vLLM-compatible trainer, GRPO)."""

@@ -1,0 +1,159 @@
+"""TrainConfig: every knob of simple_rl.py, its default and its help text, in one place.
+
+The CLI is generated from the dataclass: one `--flag` per field, typed from the annotation, with
+the help text taken from the docstring written under the field (read with `ast`, so the docstring
+is the single source of truth and cannot drift from `--help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import sys
+import textwrap
+from dataclasses import dataclass, fields
+
+DTYPES = ("bfloat16", "float32")
+ENGINES = ("vllm", "native")
+
+
+class ConfigError(ValueError):
+    """A config value is unusable; the message is one line naming the field and the fix."""
+
+
+@dataclass
+class TrainConfig:
+    model: str = "Qwen/Qwen3-1.7B"
+    """Checkpoint: a local HF directory, a Hugging Face repo id, or `random:tiny` (a tiny random
+    checkpoint written under --checkpoint-dir on the fly; any weights.py shape works)."""
+    steps: int = 30
+    """GRPO steps (one rollout batch each)."""
+    prompts_per_step: int = 8
+    """Prompts sampled per step."""
+    group_size: int = 8
+    """Completions per prompt; advantages are relative to the prompt's group."""
+    lr: float = 1e-5
+    """AdamW learning rate (on the fp32 master weights)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_new_tokens: int = 16
+    """Longest completion, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (logprobs are always of the raw logits)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to the frozen initial (reference) policy."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    clip_eps: float = 0.2
+    """PPO ratio clip: ratios are clipped to [1 - eps, 1 + eps]."""
+    seed: int = 0
+    """Seed of everything random (prompts, sampling); same seed -> identical run."""
+    run_name: str = "grpo"
+    """Name of the run: logs go to <out-dir>/<run-name>/, checkpoints to <checkpoint-dir>/<run-name>/."""
+    engine: str = "vllm"
+    """Rollout engine: `vllm` (GPU, VLLM_BATCH_INVARIANT=1) or `native` (plain PyTorch, CPU ok)."""
+    task: str = "arith"
+    """Task name (a module in spirl/tasks/): arith or gsm8k."""
+    updates_per_batch: int = 1
+    """Optimizer steps per rollout batch: the batch is split into this many mini-batches."""
+    micro_batches: int = 1
+    """Gradient-accumulation micro-batches per optimizer step (bounds activation memory)."""
+    checkpoint_every: int = 10
+    """Write a checkpoint every N steps (and after the last step); 0 = only after the last step."""
+    resume: str = ""
+    """Checkpoint to resume from: a step directory, or a run's checkpoint directory (its latest)."""
+    out_dir: str = "runs"
+    """Root of TensorBoard logs, run_metadata.json and metrics.jsonl."""
+    checkpoint_dir: str = "checkpoints"
+    """Root of training checkpoints (and of `random:` model checkpoints)."""
+    device: str = "auto"
+    """Trainer device: auto (cuda if available), cpu, cuda."""
+    dtype: str = "bfloat16"
+    """Compute dtype of the trainer's forward (vLLM runs bf16; use float32 on CPU)."""
+    max_grad_norm: float = 0.0
+    """Clip the global gradient norm to this value; 0 = no clipping."""
+
+    def validate(self) -> "TrainConfig":
+        """Raise ConfigError (one line: field and fix) on the first unusable value."""
+        checks = [
+            (self.steps >= 1, "steps must be >= 1"),
+            (self.prompts_per_step >= 1, "prompts_per_step must be >= 1"),
+            (self.group_size >= 2, "group_size must be >= 2 for group-relative advantages"),
+            (self.lr > 0, "lr must be > 0"),
+            (self.weight_decay >= 0, "weight_decay must be >= 0"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (self.temperature > 0, "temperature must be > 0 (GRPO needs diverse samples)"),
+            (self.kl_coef >= 0, "kl_coef must be >= 0"),
+            (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
+            (0 < self.clip_eps < 1, "clip_eps must be in (0, 1)"),
+            (self.seed >= 0, "seed must be >= 0"),
+            (bool(self.run_name) and "/" not in self.run_name, "run_name must be a non-empty name without '/'"),
+            (self.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}"),
+            (self.updates_per_batch >= 1, "updates_per_batch must be >= 1"),
+            (self.micro_batches >= 1, "micro_batches must be >= 1"),
+            (self.checkpoint_every >= 0, "checkpoint_every must be >= 0"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             "device must be auto, cpu, cuda or cuda:N"),
+            (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
+            (self.max_grad_norm >= 0, "max_grad_norm must be >= 0"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+        n = self.prompts_per_step * self.group_size
+        per_update, rest = divmod(n, self.updates_per_batch)
+        if rest or per_update % self.micro_batches:
+            raise ConfigError(
+                f"prompts_per_step * group_size ({n}) must divide into updates_per_batch "
+                f"({self.updates_per_batch}) x micro_batches ({self.micro_batches}) equal parts")
+        if self.engine == "vllm" and self.dtype != "bfloat16":
+            raise ConfigError("dtype must be bfloat16 with --engine vllm (vLLM runs bf16); use --engine native for float32")
+        return self
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field name: the docstring written right under it} from the class source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line on stderr (no usage dump), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}\n")
+
+
+def build_parser(cls=TrainConfig) -> argparse.ArgumentParser:
+    parser = _OneLineParser(description="GRPO with bitwise parity between rollout engine and trainer.",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    docs = field_docs(cls)
+    for f in fields(cls):
+        kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
+                            help=docs.get(f.name, ""))
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parse and validate; a bad value exits with one line on stderr (status 2)."""
+    args = build_parser().parse_args(argv)
+    cfg = TrainConfig(**vars(args))
+    try:
+        return cfg.validate()
+    except ConfigError as e:
+        sys.stderr.write(f"error: {e}\n")
+        raise SystemExit(2) from None
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

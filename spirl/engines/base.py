@@ -1,0 +1,30 @@
+"""What every rollout engine returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One sampled completion, in token ids (the source of truth; nothing is re-encoded)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: torch.Tensor
+    """float32 [len(completion_ids)]: the engine's log p(token | prefix) from the raw logits
+    (before temperature), so it is comparable with the trainer's at any temperature."""
+    finish_reason: str | None = None
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+
+def samples_by_prompt(samples: list[Sample], n: int) -> list[list[Sample]]:
+    """Group a flat list (prompt-major, n per prompt) into one list per prompt."""
+    if len(samples) % n:
+        raise ValueError(f"{len(samples)} samples do not split into groups of {n}")
+    return [samples[i:i + n] for i in range(0, len(samples), n)]

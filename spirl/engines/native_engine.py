@@ -1,0 +1,128 @@
+"""A plain-PyTorch rollout engine with a KV cache, on the trainer's own Qwen3VLLMCompatModel.
+
+Sampling: one prompt at a time; the prompt is prefilled once and its KV cache copied to the
+`n` samples, which then decode together (they all have the same length, so no padding). Tokens
+are drawn from softmax(logits / temperature) with a seeded `torch.Generator`: same seed, same
+weights -> same samples.
+
+Logprobs: a KV-cache decode does not compute the same float operations as the trainer's packed
+full-sequence forward (different matmul shapes and attention splits), so its logprobs are not
+bitwise equal to the trainer's in general. The reported logprob of each sampled token is
+therefore *re-scored* after sampling with `spirl.parity.completion_logprobs`, the very packed
+forward the trainer uses (raw logits, before temperature). The per-step parity check is then
+exact by construction for this engine; it exists to test the plumbing on CPU. The real check is
+vLLM on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from ..parity import completion_logprobs
+from .base import Sample
+
+
+class NativeEngine:
+    def __init__(self, model, eos_ids: Iterable[int]):
+        self.model = model
+        """The trainer's compute model itself: weight sync is then a no-op (see load_weights)."""
+        self.eos_ids = set(int(i) for i in eos_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.tok_embeddings.weight.device
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 64,
+                 temperature: float = 1.0, seed: int | None = None) -> list[Sample]:
+        """n samples per prompt, prompt-major (like VLLMEngine.generate)."""
+        gen = torch.Generator(device=self.device).manual_seed(0 if seed is None else seed)
+        samples = []
+        for prompt in prompts:
+            for completion, reason in self._sample_group(list(prompt), n, max_tokens, temperature, gen):
+                samples.append(Sample(list(prompt), completion, torch.empty(0), reason))
+        lps = completion_logprobs(self.model, samples, self.device)
+        for s, lp in zip(samples, lps):
+            s.logprobs = lp.float().cpu()
+        return samples
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Copy (compat name, tensor) pairs in; tensors that already are the model's are skipped."""
+        params = dict(self.model.named_parameters())
+        for name, t in named_tensors:
+            p = params[name]
+            if t.data_ptr() != p.data_ptr():
+                p.data.copy_(t)
+        return 0.0
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def _pick(self, logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+    def _sample_group(self, prompt, n, max_tokens, temperature, gen):
+        m, dev = self.model, self.device
+        tokens = torch.tensor(prompt, device=dev)
+        positions = torch.arange(len(prompt), device=dev)
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        logits = self._step(tokens, positions, cache, prefill=True)[-1:].expand(n, -1)
+        cache[:] = [(k.expand(n, -1, -1, -1).contiguous(), v.expand(n, -1, -1, -1).contiguous()) for k, v in cache]
+        out = [[] for _ in range(n)]
+        done = [None] * n
+        for t in range(max_tokens):
+            nxt = self._pick(logits, temperature, gen)
+            for i, tok in enumerate(nxt.tolist()):
+                if done[i] is None:
+                    out[i].append(tok)
+                    if tok in self.eos_ids:
+                        done[i] = "stop"
+            if all(d is not None for d in done) or t == max_tokens - 1:
+                break
+            pos = torch.full((n,), len(prompt) + t, device=dev)
+            logits = self._step(nxt, pos, cache, prefill=False)
+        return [(o, d or "length") for o, d in zip(out, done)]
+
+    def _step(self, tokens, positions, cache, prefill: bool) -> torch.Tensor:
+        """Prefill (one sequence, T tokens) or decode (n sequences, 1 token each); logits [T or n, V]."""
+        m = self.model
+        be, a = m.backend, m.args
+        h = m.tok_embeddings(tokens)
+        rope = m.rope_cache(h)
+        for i, layer in enumerate(m.layers):
+            attn = layer.attention
+            x = be.rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps)
+            q, k, v = be.linear(x, attn.qkv_proj.weight).split(
+                [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], dim=-1)
+            q = be.rms_norm(q.reshape(-1, a.n_heads, a.head_dim), attn.q_norm.weight, attn.q_norm.eps)
+            k = be.rms_norm(k.reshape(-1, a.n_kv_heads, a.head_dim), attn.k_norm.weight, attn.k_norm.eps)
+            q, k = be.rotary(positions, q, k, rope)
+            v = v.reshape(-1, a.n_kv_heads, a.head_dim)
+            o = self._attend(i, q, k, v, cache, prefill)
+            h = h + be.linear(o, attn.o_proj.weight)
+            x = be.rms_norm(h, layer.ffn_norm.weight, layer.ffn_norm.eps)
+            ff = layer.feed_forward
+            h = h + be.linear(be.silu_and_mul(be.linear(x, ff.gate_up_proj.weight)), ff.down_proj.weight)
+        h = be.rms_norm(h, m.norm.weight, m.norm.eps)
+        return be.linear(h, m.output_weight())
+
+    def _attend(self, i, q, k, v, cache, prefill: bool) -> torch.Tensor:
+        a = self.model.args
+        rep = a.n_heads // a.n_kv_heads
+        if prefill:  # q, k, v [T, H, D] of one sequence -> cache [1, Hk, T, D]
+            cache.append((k.transpose(0, 1)[None], v.transpose(0, 1)[None]))
+            kk, vv = cache[i]
+            qq = q.transpose(0, 1)[None]
+            causal = True
+        else:  # one new token per sequence: q, k, v [n, H, D]; append to the cache
+            ck, cv = cache[i]
+            kk, vv = torch.cat([ck, k[:, :, None]], dim=2), torch.cat([cv, v[:, :, None]], dim=2)
+            cache[i] = (kk, vv)
+            qq = q[:, :, None]
+            causal = False  # the new token attends to every cached position
+        o = F.scaled_dot_product_attention(qq, kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1),
+                                           is_causal=causal, scale=a.head_dim ** -0.5)
+        return o.transpose(1, 2).reshape(-1, a.n_heads * a.head_dim)  # [T or n, H*D]

@@ -1,0 +1,100 @@
+"""vLLM 0.26.0 offline engine in batch-invariant mode, in this process, taking and returning token ids.
+
+Settings and why:
+* `VLLM_BATCH_INVARIANT=1` (must be set by the user before Python starts, since vllm reads it at
+  import): batch-invariant kernels, so a sequence's numbers do not depend on its batch.
+* in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the model object is reachable, so new
+  weights are copied in memory (no safetensors save + reload) and forward hooks can be attached.
+* `spirl.vllm_patches.apply()` before the engine is built (see that module for why).
+* eager mode (no CUDA graphs / torch.compile fusions), prefix caching off (a cached prefix is
+  prefilled in a different split), bf16, a fixed seed.
+* `logprobs=0` with the default `raw_logprobs` mode: the logprob of each sampled token from the
+  raw logits, independent of temperature.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from .. import vllm_patches
+from .base import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VLLMEngineConfig:
+    model_dir: str
+    """Hugging Face checkpoint directory (config.json + safetensors) vLLM loads first."""
+    seed: int = 0
+    """Engine seed; each generate() call also takes its own sampling seed."""
+    gpu_memory_utilization: float = 0.35
+    """Fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
+    max_model_len: int = 4096
+    """Longest prompt + completion, in tokens."""
+    require_batch_invariant: bool = True
+    """Refuse to start without VLLM_BATCH_INVARIANT=1. Only the check-has-teeth test turns this off."""
+
+
+def prepare_environment(require_batch_invariant: bool = True) -> None:
+    """Check/set the environment vLLM reads at import time; raise if it is too late to fix."""
+    if require_batch_invariant and os.environ.get("VLLM_BATCH_INVARIANT") != "1":
+        raise RuntimeError("VLLM_BATCH_INVARIANT=1 is not set: start with "
+                           "`VLLM_BATCH_INVARIANT=1 python ...` (vLLM reads it at import)")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+class VLLMEngine:
+    def __init__(self, cfg: VLLMEngineConfig):
+        prepare_environment(cfg.require_batch_invariant)
+        vllm_patches.apply()
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        self.cfg = cfg
+        self.llm = LLM(model=cfg.model_dir, skip_tokenizer_init=True, enforce_eager=True,
+                       dtype="bfloat16", seed=cfg.seed, enable_prefix_caching=False,
+                       gpu_memory_utilization=cfg.gpu_memory_utilization,
+                       max_model_len=cfg.max_model_len)
+        log.info("vLLM engine ready in %.1fs (%s)", time.perf_counter() - t0, cfg.model_dir)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """vLLM's Qwen3ForCausalLM instance (V2 model runner, in-process)."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+    def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 64,
+                 temperature: float = 1.0, seed: int | None = None) -> list[Sample]:
+        """n samples per prompt, prompt-major. Sample i of a prompt uses sampling seed `seed + i`."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0,
+                                seed=seed)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                    params, use_tqdm=False)
+        return [_to_sample(list(p), c) for p, out in zip(prompts, outputs) for c in out.outputs]
+
+    def load_weights(self, hf_named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Copy new weights (Hugging Face names, any device) into the engine in memory; seconds taken."""
+        t0 = time.perf_counter()
+        self.model.load_weights(hf_named_tensors)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def _to_sample(prompt_ids: list[int], completion) -> Sample:
+    ids = list(completion.token_ids)
+    if completion.logprobs is None or len(completion.logprobs) != len(ids):
+        raise RuntimeError("vLLM returned no logprob for some sampled token (logprobs=0 expected)")
+    # vLLM reports float32 values as Python floats: converting back to float32 is exact.
+    lps = torch.tensor([step[tok].logprob for step, tok in zip(completion.logprobs, ids)],
+                       dtype=torch.float32)
+    return Sample(prompt_ids, ids, lps, completion.finish_reason)

@@ -1,0 +1,87 @@
+"""Per-step metrics: TensorBoard scalars, one JSON line per step, run metadata, a console line.
+
+Everything goes under <out_dir>/<run_name>/ (TensorBoard event files, metrics.jsonl,
+run_metadata.json); both writers are flushed after every step so a crash loses nothing logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import re
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("spirl.metrics")
+
+
+def layer_of(param_name: str) -> str:
+    """'layers.3.attention.qkv_proj.weight' -> 'layers.3'; 'tok_embeddings.weight' -> 'tok_embeddings'."""
+    m = re.match(r"(layers\.\d+)\.", param_name)
+    return m.group(1) if m else param_name.split(".")[0]
+
+
+@torch.no_grad()
+def weight_deltas(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per layer: ||W_t - W_{t-1}|| and that / ||W_{t-1}|| over all of the layer's fp32 weights."""
+    diff_sq: dict[str, float] = {}
+    prev_sq: dict[str, float] = {}
+    for name, w in cur.items():
+        layer = layer_of(name)
+        p = prev[name].double()
+        diff_sq[layer] = diff_sq.get(layer, 0.0) + float((w.double() - p).pow(2).sum())
+        prev_sq[layer] = prev_sq.get(layer, 0.0) + float(p.pow(2).sum())
+    out = {}
+    for layer, d in diff_sq.items():
+        mag = math.sqrt(d)
+        out[f"weight_delta/{layer}/magnitude"] = mag
+        out[f"weight_delta/{layer}/relative_change"] = mag / max(math.sqrt(prev_sq[layer]), 1e-30)
+    return out
+
+
+def versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("vllm", "torchtitan", "transformers", "safetensors"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def gpu_name() -> str | None:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, metadata: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        meta = {**metadata, "versions": versions(), "gpu": gpu_name()}
+        (self.run_dir / "run_metadata.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+        self.tb = SummaryWriter(log_dir=str(self.run_dir))
+        # append: a resumed run under the same name continues the same file
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+
+    def log_step(self, step: int, scalars: dict[str, float], total_steps: int) -> None:
+        for k, v in scalars.items():
+            self.tb.add_scalar(k, v, step)
+        self.tb.flush()
+        self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        self.jsonl.flush()
+        log.info("step %d/%d  reward %.3f±%.3f  loss %.4f  kl %.2e  parity %d/%d diff  %.1fs",
+                 step, total_steps, scalars.get("reward_mean", float("nan")), scalars.get("reward_std", float("nan")),
+                 scalars.get("loss", float("nan")), scalars.get("kl_div", float("nan")),
+                 int(scalars.get("parity/tokens_different", -1)), int(scalars.get("parity/tokens_compared", -1)),
+                 sum(v for k, v in scalars.items() if k.startswith("time/")))
+
+    def close(self) -> None:
+        self.tb.close()
+        self.jsonl.close()

@@ -1,0 +1,318 @@
+"""The GRPO loop: rollouts -> rewards -> advantages -> parity check -> updates -> weight sync.
+
+Weights: AdamW updates fp32 *master* weights; the trainer's forward runs a compute-dtype model
+whose parameters are the cast of the masters (copied after every optimizer step). Gradients flow
+into the compute model and are accumulated into the masters' .grad in fp32. The engine receives
+the compute model's tensors, i.e. exactly the numbers the trainer's forward uses.
+
+Per step, in order:
+  1. prompts from a python RNG seeded by (seed, step), sampling seed derived from (seed, step):
+     a step depends only on the weights, the optimizer state and its number, so a resumed run
+     repeats the uninterrupted one exactly;
+  2. the engine samples group_size completions per prompt (token ids + logprobs);
+  3. rewards, group-relative advantages;
+  4. the trainer's packed forward on the sampled ids (no grad) must equal the engine's logprob of
+     every sampled token bit for bit, else ParityError (report written, no new checkpoint);
+  5. reference-policy logprobs (frozen copy of the initial weights);
+  6. if every advantage is zero (all groups had equal rewards) there is no learning signal: the
+     step is logged with `skipped_update=1` and no optimizer step is taken (nothing to sync);
+  7. updates_per_batch optimizer steps, each over one mini-batch split into micro_batches;
+     a NaN/Inf loss stops the run before any gradient of it is applied (NonFiniteLossError);
+  8. weight sync to the engine; metrics; checkpoint every checkpoint_every steps and at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import TrainConfig, to_dict
+from .engines.base import Sample
+from .loss import grpo_advantages, grpo_loss, pad
+from .metrics import MetricsLogger, weight_deltas
+from .parity import ParityReport, compare_logprobs, completion_logprobs, completion_logprobs_and_entropy
+
+log = logging.getLogger("spirl.trainer")
+
+EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|> (Qwen3's generation_config eos_token_id)
+
+
+class ParityError(RuntimeError):
+    """The engine's and the trainer's logprob of some sampled token differ."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN/Inf; the run stops with the last good checkpoint kept."""
+
+
+class ModelError(ValueError):
+    """--model is unusable; one line saying what to do."""
+
+
+# -- setup ------------------------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_model(model: str, checkpoint_dir: str) -> Path:
+    """A local dir, an HF repo id (downloaded), or `random:<shape>` (written once, deterministic)."""
+    import weights
+
+    if model.startswith("random:"):
+        shape = model.split(":", 1)[1]
+        out = Path(checkpoint_dir) / "models" / f"random-{shape}"
+        if not (out / "config.json").is_file():
+            try:
+                weights.write_random_checkpoint(out, shape, seed=0, dtype=torch.float32, overwrite=True)
+            except weights.WeightsError as e:
+                raise ModelError(f"--model {model}: {e}") from None
+        return out
+    try:
+        return weights.resolve_model_dir(model)
+    except weights.WeightsError as e:
+        raise ModelError(f"--model: {e}") from None
+
+
+@dataclass
+class Policy:
+    """fp32 masters (what AdamW updates), the compute model (their cast), the frozen reference."""
+
+    masters: dict[str, torch.nn.Parameter]
+    model: torch.nn.Module
+    ref: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    @torch.no_grad()
+    def push_masters_to_model(self) -> None:
+        for name, p in self.model.named_parameters():
+            p.copy_(self.masters[name])  # cast to the compute dtype
+
+    def grads_to_masters(self) -> None:
+        """Accumulate the compute model's grads into the masters' fp32 .grad, then clear them."""
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            m = self.masters[name]
+            g = p.grad.to(torch.float32)
+            m.grad = g.clone() if m.grad is None else m.grad.add_(g)
+            p.grad = None
+
+    def master_snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.masters.items()}
+
+
+def build_policy(model_dir: Path, cfg: TrainConfig, device: torch.device) -> Policy:
+    from torchtitan_compat.loading import load_model
+
+    dtype = getattr(torch, cfg.dtype)
+    backend = "reference" if cfg.engine == "native" else "auto"
+    master_model = load_model(model_dir, device=device, dtype=torch.float32, backend=backend)
+    # deepcopy first: .to() of a float32 model to float32 would otherwise share the masters' storage
+    model = copy.deepcopy(master_model).to(dtype)
+    ref = copy.deepcopy(model).requires_grad_(False)
+    masters = dict(master_model.named_parameters())
+    opt = torch.optim.AdamW(list(masters.values()), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+    return Policy(masters, model, ref, opt)
+
+
+def build_engine(cfg: TrainConfig, model_dir: Path, policy: Policy):
+    if cfg.engine == "native":
+        from .engines.native_engine import NativeEngine
+
+        return NativeEngine(policy.model, EOS_IDS)
+    from .engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    return VLLMEngine(VLLMEngineConfig(str(model_dir), seed=cfg.seed))
+
+
+def sync_weights(engine, policy: Policy, cfg: TrainConfig) -> float:
+    """Load the compute model's tensors (the trainer's exact forward weights) into the engine."""
+    if cfg.engine == "native":
+        return engine.load_weights(policy.model.named_parameters())
+    import weights_vllm_compat
+
+    sd = {k: v.detach() for k, v in policy.model.state_dict().items()}
+    return engine.load_weights(weights_vllm_compat.compat_to_vllm_weights(sd, policy.model.args))
+
+
+# -- one step -----------------------------------------------------------------------------------
+
+
+@contextmanager
+def timed(times: dict, key: str):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) % (2**63)
+
+
+def check_parity(samples: list[Sample], trainer_lps, step: int, run_dir: Path, engine, policy) -> ParityReport:
+    report = compare_logprobs([s.logprobs for s in samples], trainer_lps)
+    if report.bitwise_identical:
+        return report
+    i, j = report.first_mismatch or (0, 0)
+    s = samples[i]
+    detail = {"step": step, "summary": report.summary(), "sample_index": i, "completion_position": j,
+              "prompt_ids": s.prompt_ids, "completion_ids": s.completion_ids,
+              "engine_logprobs": s.logprobs.tolist(), "trainer_logprobs": trainer_lps[i].float().cpu().tolist(),
+              "per_sample_different": report.per_sample_different}
+    if hasattr(engine, "llm"):  # vLLM: find the first layer/op that differs
+        try:
+            from types import SimpleNamespace
+
+            from compare.localize import localize_sample
+
+            detail["localization"] = localize_sample(SimpleNamespace(engine=engine, model=policy.model), s.ids)
+        except Exception as e:  # the report must still be written
+            detail["localization"] = f"localization failed: {type(e).__name__}: {e}"
+    path = run_dir / f"parity_failure_step{step:06d}.json"
+    path.write_text(json.dumps(detail, indent=1) + "\n")
+    log.error("PARITY BROKEN at step %d: %s; sample %d (prompt %d + completion %d tokens); report: %s",
+              step, report.summary(), i, len(s.prompt_ids), len(s.completion_ids), path)
+    if "localization" in detail:
+        log.error("%s", detail["localization"])
+    raise ParityError(f"step {step}: {report.summary()} (report: {path})")
+
+
+def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainConfig, device, times) -> dict:
+    """One optimizer step over `samples`, accumulated over cfg.micro_batches micro-batches."""
+    n = len(samples)
+    size = n // cfg.micro_batches
+    sums: dict[str, float] = {}
+    for start in range(0, n, size):
+        sl = slice(start, start + size)
+        with timed(times, "forward"):
+            lps, ent = completion_logprobs_and_entropy(policy.model, samples[sl], device,
+                                                       entropy_grad=cfg.entropy_coef > 0)
+            lp, mask = pad(lps)
+            loss, m = grpo_loss(lp, pad(old_lps[sl])[0].to(device), pad(ref_lps[sl])[0].to(device),
+                                adv[sl].to(device), mask, cfg.clip_eps, cfg.kl_coef,
+                                pad(ent)[0], cfg.entropy_coef)
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(f"loss is {float(loss)}; stopping (the last checkpoint is kept)")
+        w = size / n  # micro-batch means, weighted, sum to the mini-batch mean
+        with timed(times, "backward"):
+            (loss * w).backward()
+            policy.grads_to_masters()
+        for k, v in {"loss": float(loss.detach()), **m}.items():
+            sums[k] = sums.get(k, 0.0) + w * v
+    with timed(times, "optimizer"):
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(list(policy.masters.values()), cfg.max_grad_norm)
+        policy.optimizer.step()
+        policy.optimizer.zero_grad(set_to_none=True)
+        policy.push_masters_to_model()
+    return sums
+
+
+def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, run_dir: Path) -> dict:
+    times: dict[str, float] = {}
+    rng = random.Random(step_seed(cfg.seed, step))
+    prompts = task.prompts(rng, cfg.prompts_per_step)
+    with timed(times, "rollout"):
+        samples = engine.generate([p for p, _ in prompts], n=cfg.group_size, max_tokens=cfg.max_new_tokens,
+                                  temperature=cfg.temperature, seed=step_seed(cfg.seed, step) % (2**31))
+    metas = [meta for _, meta in prompts for _ in range(cfg.group_size)]
+    rewards = torch.tensor([task.reward(s.completion_ids, m) for s, m in zip(samples, metas)], dtype=torch.float32)
+    adv = grpo_advantages(rewards, cfg.group_size)
+    with timed(times, "forward"), torch.no_grad():
+        trainer_lps = completion_logprobs(policy.model, samples, device)
+        report = check_parity(samples, trainer_lps, step, run_dir, engine, policy)
+        ref_lps = [x.float().cpu() for x in completion_logprobs(policy.ref, samples, device)]
+    old_lps = [s.logprobs for s in samples]
+    out = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+           "parity/tokens_compared": report.tokens_compared, "parity/tokens_different": report.tokens_different,
+           "parity/max_abs_diff": report.max_abs_diff,
+           "completion_len_mean": sum(len(s.completion_ids) for s in samples) / len(samples)}
+    if not bool((adv != 0).any()):
+        log.warning("step %d: every group has equal rewards, so every advantage is 0: no update this step", step)
+        out["skipped_update"] = 1.0
+        return {**out, **{f"time/{k}": v for k, v in times.items()}}
+    before = policy.master_snapshot()
+    per = len(samples) // cfg.updates_per_batch
+    agg: dict[str, float] = {}
+    for u in range(cfg.updates_per_batch):
+        sl = slice(u * per, (u + 1) * per)
+        m = train_minibatch(policy, samples[sl], old_lps[sl], ref_lps[sl], adv[sl], cfg, device, times)
+        for k, v in m.items():
+            agg[k] = agg.get(k, 0.0) + v / cfg.updates_per_batch
+    with timed(times, "weight_sync"):
+        sync_weights(engine, policy, cfg)
+    out.update(agg)
+    out["skipped_update"] = 0.0
+    out.update(weight_deltas(before, {k: v.detach() for k, v in policy.masters.items()}))
+    return {**out, **{f"time/{k}": times.get(k, 0.0) for k in
+                      ("rollout", "forward", "backward", "optimizer", "weight_sync")}}
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def save_checkpoint(cfg: TrainConfig, policy: Policy, step: int, model_dir: Path) -> Path:
+    state = {"config": to_dict(cfg), "model_dir": str(model_dir)}
+    path = ckpt.save(Path(cfg.checkpoint_dir) / cfg.run_name, step, policy.masters, policy.optimizer, state)
+    log.info("checkpoint: %s", path)
+    return path
+
+
+def resume_into(policy: Policy, path: str, device) -> int:
+    state, masters, opt_state = ckpt.load(path, device)
+    with torch.no_grad():
+        for name, p in policy.masters.items():
+            p.copy_(masters[name])
+    policy.optimizer.load_state_dict(opt_state)
+    policy.push_masters_to_model()
+    ckpt.restore_rng(state)
+    log.info("resumed from %s at step %d", ckpt.resolve(path), state["step"])
+    return int(state["step"])
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Run cfg.steps GRPO steps; returns the per-step metrics (also logged)."""
+    from .tasks import get_task
+    from .tokenizer import load_tokenizer
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    model_dir = resolve_model(cfg.model, cfg.checkpoint_dir)
+    task = get_task(cfg.task, load_tokenizer(model_dir))
+    policy = build_policy(model_dir, cfg, device)
+    start = resume_into(policy, cfg.resume, device) if cfg.resume else 0
+    engine = build_engine(cfg, model_dir, policy)
+    sync_weights(engine, policy, cfg)  # the engine starts from the trainer's exact weights (matters on resume)
+    run_dir = Path(cfg.out_dir) / cfg.run_name
+    logger = MetricsLogger(run_dir, {"args": to_dict(cfg), "seed": cfg.seed, "model_dir": str(model_dir),
+                                     "device": str(device)})
+    history = []
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            scalars = run_step(step, cfg, task, engine, policy, device, run_dir)
+            logger.log_step(step, scalars, cfg.steps)
+            history.append(scalars)
+            if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                save_checkpoint(cfg, policy, step, model_dir)
+    finally:
+        logger.close()
+    return history

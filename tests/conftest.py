@@ -1,0 +1,28 @@
+"""Shared pytest fixtures: random Qwen3 checkpoints written once per test session."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # top-level modules (weights.py, ...) live in the repo root
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """The `tiny` shape (2 layers, untied embeddings, real vocab), float32, seed 0."""
+    from weights import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def qwen06_2layer_ckpt(tmp_path_factory) -> Path:
+    """Qwen3-0.6B's shape cut to 2 layers (tied embeddings), float32, seed 0."""
+    from weights import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen06_2layer", "Qwen3-0.6B",
+                                   num_layers=2, seed=0, dtype=torch.float32)

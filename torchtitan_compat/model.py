@@ -1,0 +1,146 @@
+"""Qwen3VLLMCompatModel: torchtitan's Qwen3, laid out and computed the way vLLM computes it.
+
+Same math as torchtitan's `Qwen3Model` (pre-norm decoder, q/k RMSNorm per head, neox RoPE, GQA,
+SwiGLU MLP, tied or untied embeddings), with vLLM's merged projections (`qkv_proj` =
+[wq; wk; wv], `gate_up_proj` = [w1; w3]) so that every matmul has the very shape vLLM runs, and
+every op routed through a kernel backend (`ops.py`) wrapped with a backward
+(`batch_invariant_backward.py`).
+
+Input is vLLM's flat token batch: sequences packed along one axis, described by `cu_seqlens`.
+The residual stream is added in the activation dtype before each RMSNorm, exactly as vLLM's
+layers do after `vllm_patches` replaced its fused add+norm kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchtitan.models.qwen3 import Qwen3ModelArgs
+
+import batch_invariant_backward as bib
+
+from .ops import select_backend
+
+
+@dataclass
+class Packed:
+    """Per-forward metadata shared by all layers."""
+
+    positions: torch.Tensor  # int64 [T], position of each token inside its sequence
+    cu_seqlens: torch.Tensor  # int32 [B+1]
+    max_seqlen: int
+    rope_cache: torch.Tensor  # [max_positions, head_dim] = [cos | sin]
+    backend: object
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, p: Packed) -> torch.Tensor:
+        return bib.rms_norm(x, self.weight, self.eps, p.backend)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor, p: Packed) -> torch.Tensor:
+        return bib.linear(x, self.weight, p.backend)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: Qwen3ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.qkv_proj = Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim)
+        self.o_proj = Linear(a.n_heads * a.head_dim, a.dim)
+        self.q_norm = Norm(a.head_dim, a.norm_eps)
+        self.k_norm = Norm(a.head_dim, a.norm_eps)
+
+    def forward(self, x: torch.Tensor, p: Packed) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x, p).split(
+            [self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d], dim=-1)
+        q = self.q_norm(q.reshape(t, self.n_heads, d), p)
+        k = self.k_norm(k.reshape(t, self.n_kv_heads, d), p)
+        q, k = bib.rotary(p.positions, q, k, p.rope_cache, p.backend)
+        v = v.reshape(t, self.n_kv_heads, d)
+        o = bib.attention(q, k, v, p.cu_seqlens, p.max_seqlen, d ** -0.5, p.backend)
+        return self.o_proj(o.reshape(t, self.n_heads * d), p)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, a: Qwen3ModelArgs):
+        super().__init__()
+        self.gate_up_proj = Linear(a.dim, 2 * a.hidden_dim)
+        self.down_proj = Linear(a.hidden_dim, a.dim)
+
+    def forward(self, x: torch.Tensor, p: Packed) -> torch.Tensor:
+        return self.down_proj(bib.silu_and_mul(self.gate_up_proj(x, p), p.backend), p)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: Qwen3ModelArgs):
+        super().__init__()
+        self.attention_norm = Norm(a.dim, a.norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = Norm(a.dim, a.norm_eps)
+        self.feed_forward = FeedForward(a)
+
+    def forward(self, h: torch.Tensor, p: Packed) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h, p), p)
+        return h + self.feed_forward(self.ffn_norm(h, p), p)
+
+
+class Qwen3VLLMCompatModel(nn.Module):
+    """Qwen3 causal LM over packed sequences; `forward` returns logits [T, vocab]."""
+
+    def __init__(self, model_args: Qwen3ModelArgs, backend: str | object = "auto"):
+        super().__init__()
+        self.args = model_args
+        self.backend = select_backend(backend) if isinstance(backend, str) else backend
+        self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
+        nn.init.normal_(self.tok_embeddings.weight, std=0.02)
+        self.layers = nn.ModuleList(DecoderLayer(model_args) for _ in range(model_args.n_layers))
+        self.norm = Norm(model_args.dim, model_args.norm_eps)
+        self.output = None if model_args.enable_weight_tying else Linear(model_args.dim, model_args.vocab_size)
+        self._rope_cache: torch.Tensor | None = None
+
+    def output_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def rope_cache(self, like: torch.Tensor) -> torch.Tensor:
+        """vLLM's [cos | sin] table, built once per device/dtype (not a parameter, never trained)."""
+        c = self._rope_cache
+        if c is None or c.device != like.device or c.dtype != like.dtype:
+            c = self.backend.rope_cache(self.args.head_dim, self.args.max_seq_len,
+                                        self.args.rope_theta, like.dtype, like.device)
+            self._rope_cache = c
+        return c
+
+    def packed(self, positions, cu_seqlens, max_seqlen=None, like=None) -> Packed:
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return Packed(positions, cu_seqlens, max_seqlen, self.rope_cache(like), self.backend)
+
+    def hidden_states(self, tokens, positions, cu_seqlens, max_seqlen=None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        p = self.packed(positions, cu_seqlens, max_seqlen, like=h)
+        for layer in self.layers:
+            h = layer(h, p)
+        return self.norm(h, p)
+
+    def forward(self, tokens, positions, cu_seqlens, max_seqlen=None) -> torch.Tensor:
+        h = self.hidden_states(tokens, positions, cu_seqlens, max_seqlen)
+        return bib.linear(h, self.output_weight(), self.backend)
+
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """float32 [T] log p(targets[i] | prefix) from logits [T, V], computed as vLLM's sampler does."""
+        return bib.token_logprobs(logits, targets, self.backend)

@@ -1,0 +1,122 @@
+"""The kernel-backend layer: every op whose output must match vLLM's goes through here.
+
+Two backends implement the same small interface (forward only; gradients are added by
+`batch_invariant_backward.py`):
+
+* `reference` - plain PyTorch. Runs anywhere; what the CPU test suite proves against
+  Hugging Face `transformers`.
+* `vllm` - vLLM 0.26.0's own kernels and ops (batch-invariant Triton matmul and RMSNorm, its
+  CUDA SiLU-and-mul and rotary, FlashAttention 3 varlen with num_splits=1). Only on CUDA with
+  vLLM importable and `VLLM_BATCH_INVARIANT=1`.
+
+`select_backend("auto")` picks `vllm` on CUDA and `reference` on CPU and logs the choice. On a
+CUDA device it never falls back silently: if vLLM is missing, it raises and says how to ask
+for `reference` explicitly.
+
+Tensor conventions (flat token layout, as in vLLM):
+    x: [T, K] activations; weight: [N, K]; positions: int64 [T]
+    q: [T, Hq, D], k/v: [T, Hk, D]; cu_seqlens: int32 [B+1]
+    attention returns (out [T, Hq, D], lse float32 [Hq, T])
+    token_logprobs(logits [T, V], ids int64 [T]) returns float32 [T]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+from . import attention as ref_attention
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "reference", "vllm")
+
+
+class BackendError(RuntimeError):
+    """The requested kernel backend cannot run here."""
+
+
+class ReferenceBackend:
+    """Plain-PyTorch ops with vLLM's numerics conventions (float32 RMSNorm statistics, neox RoPE)."""
+
+    name = "reference"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float() if x.dtype != torch.float64 else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return y.to(x.dtype) * weight
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    def rope_cache(self, head_dim: int, max_positions: int, theta: float, dtype, device):
+        """[max_positions, head_dim] = [cos | sin] of position * theta^(-2i/D), as vLLM builds it."""
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        t = torch.arange(max_positions, dtype=torch.float)
+        freqs = torch.outer(t, inv_freq)
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype=dtype, device=device)
+
+    def rotary(self, positions, q, k, cos_sin_cache):
+        """Neox-style rotation of q [T, Hq, D] and k [T, Hk, D]; returns new tensors."""
+        cos, sin = cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # [T, D/2] each
+        return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
+
+    def attention(self, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
+        return ref_attention.varlen_causal_attention(q, k, v, cu_seqlens, scale)
+
+    def token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """float32 log softmax(logits)[t, ids[t]] (float64 for float64 logits)."""
+        z = logits if logits.dtype == torch.float64 else logits.float()
+        return torch.log_softmax(z, -1).gather(-1, ids[:, None]).squeeze(-1)
+
+
+def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, D/2]. First half x1, second half x2 of each head:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_backend(name: str = "auto", device: torch.device | str | None = None):
+    """Return the kernel backend `name` for `device`, logging which one is in use."""
+    if name not in BACKEND_NAMES:
+        raise BackendError(f"unknown kernel backend {name!r}; choose one of {BACKEND_NAMES}")
+    on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    if name == "auto":
+        if not on_cuda:
+            name = "reference"
+        elif vllm_available():
+            name = "vllm"
+        else:
+            raise BackendError(
+                "CUDA device but vLLM is not importable: install the gpu extra (vllm==0.26.0), "
+                "or pass backend='reference' to run plain PyTorch ops (no parity with vLLM)"
+            )
+    if name == "vllm":
+        from .vllm_ops import VLLMBackend
+
+        backend = VLLMBackend()
+    else:
+        backend = ReferenceBackend()
+    log.info("kernel backend: %s (device=%s)", backend.name, "cuda" if on_cuda else "cpu")
+    return backend
+
+
+def batch_invariant_env_enabled() -> bool:
+    return os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0")

@@ -1,0 +1,82 @@
+"""The `vllm` kernel backend: the very kernels vLLM 0.26.0 runs for Qwen3 in batch-invariant mode.
+
+Which kernel vLLM runs for each op (read from its source, measured on an H100; see
+docs/vllm-0.26-forward-path.md):
+    linear (every projection and lm_head)  linear_batch_invariant       (Triton persistent GEMM)
+    RMSNorm, incl. q/k norm per head       rms_norm_batch_invariant     (Triton; no residual path,
+                                            see vllm_patches.py for why the residual add is separate)
+    SiLU-and-mul                           torch.ops._C.silu_and_mul    (CUDA)
+    rotary (neox, in place)                torch.ops._C.rotary_embedding (CUDA)
+    attention                              FlashAttention 3 varlen, num_splits=1
+    sampled-token logprob                  vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs
+                                            (Triton; NOT torch.log_softmax, which differs by ~1e-6)
+Embedding lookup is F.embedding in both (no op here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import BackendError, batch_invariant_env_enabled
+
+PINNED_VLLM_VERSION = "0.26.0"
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, require_batch_invariant: bool = True):
+        if require_batch_invariant and not batch_invariant_env_enabled():
+            raise BackendError("the vllm kernel backend needs VLLM_BATCH_INVARIANT=1 in the "
+                               "environment before vllm is imported (run: VLLM_BATCH_INVARIANT=1 ...)")
+        import vllm
+
+        if vllm.__version__ != PINNED_VLLM_VERSION:
+            raise BackendError(f"vLLM {vllm.__version__} is installed but parity is only proven for "
+                               f"{PINNED_VLLM_VERSION}: pip install vllm=={PINNED_VLLM_VERSION}")
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C.*)
+        from vllm.model_executor.layers.batch_invariant import (
+            linear_batch_invariant, rms_norm_batch_invariant)
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        self._linear = linear_batch_invariant
+        self._rms_norm = rms_norm_batch_invariant
+        self._token_logprobs = compute_token_logprobs
+        self._flash_attn = flash_attn_varlen_func
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._rms_norm(x, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
+        torch.ops._C.silu_and_mul(out, x)
+        return out
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, weight)
+
+    def rope_cache(self, head_dim: int, max_positions: int, theta: float, dtype, device):
+        """Built like vLLM's RotaryEmbedding._compute_cos_sin_cache: float32 on the model's device
+        (GPU and CPU transcendental functions round differently), then cast to the model dtype."""
+        with torch.device(device):
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            t = torch.arange(max_positions, dtype=torch.float)
+            freqs = torch.einsum("i,j -> ij", t, inv_freq)
+            return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+    def rotary(self, positions, q, k, cos_sin_cache):
+        """In place on q [T, Hq, D] and k [T, Hk, D] (contiguous); returns them."""
+        t, d = q.shape[0], q.shape[-1]
+        torch.ops._C.rotary_embedding(positions, q.view(t, -1), k.view(t, -1), d, cos_sin_cache, True)
+        return q, k
+
+    def attention(self, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
+        out, lse = self._flash_attn(
+            q, k, v.contiguous(), max_seqlen_q=max_seqlen, cu_seqlens_q=cu_seqlens,
+            max_seqlen_k=max_seqlen, cu_seqlens_k=cu_seqlens, softmax_scale=scale, causal=True,
+            num_splits=1, fa_version=3, return_softmax_lse=True)
+        return out, lse
+
+    def token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self._token_logprobs(logits, ids.view(-1, 1))[:, 0]

@@ -1,0 +1,422 @@
+"""Hugging Face Qwen3 checkpoints <-> TorchTitan state dicts: a library and a small CLI.
+
+    python weights.py --random {tiny,Qwen3-0.6B,Qwen3-1.7B} [--layers N] [--seed S] [--dtype bf16|fp32] --out DIR
+    python weights.py --download REPO_ID --out DIR
+    python weights.py --check DIR
+
+Every checkpoint is validated against its own config.json before use: each expected tensor must
+be there with the shape the config implies, and nothing else may be. Problems raise `WeightsError`
+with one line saying what is wrong and what to do; the CLI prints that line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import struct
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from torchtitan_compat.config import (
+    SHAPES,
+    ConfigError,
+    hf_config_for_shape,
+    load_hf_config,
+    model_args_from_hf_config,
+)
+
+logger = logging.getLogger("weights")
+
+DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "vocab.json", "merges.txt", "*.jinja"]
+# Qwen3's real generation_config.json (sampling defaults vLLM reads; eos = <|im_end|>, <|endoftext|>).
+QWEN3_GENERATION_CONFIG = {
+    "bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_CONFIG_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_CLI_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class WeightsError(ValueError):
+    """A checkpoint or state dict is unusable; the message is one line saying what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Expected tensors (names and shapes follow from the config alone)
+
+
+def expected_hf_shapes(model_args) -> dict[str, tuple[int, ...]]:
+    """HF Qwen3 tensor names -> shapes, in the canonical order (embeddings, layers, norm, head)."""
+    a = model_args
+    d, dh, inter = a.dim, a.head_dim, a.hidden_dim
+    q, kv = a.n_heads * dh, a.n_kv_heads * dh
+    shapes = {"model.embed_tokens.weight": (a.vocab_size, d)}
+    for i in range(a.n_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "self_attn.q_norm.weight": (dh,),
+            p + "self_attn.k_norm.weight": (dh,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (inter, d),
+            p + "mlp.up_proj.weight": (inter, d),
+            p + "mlp.down_proj.weight": (d, inter),
+        })
+    shapes["model.norm.weight"] = (d,)
+    if not a.enable_weight_tying:  # tied checkpoints store the embedding once
+        shapes["lm_head.weight"] = (a.vocab_size, d)
+    return shapes
+
+
+def expected_titan_shapes(model_args) -> dict[str, tuple[int, ...]]:
+    """TorchTitan Qwen3Model state-dict names -> shapes (output.weight always, as the model has it)."""
+    a = model_args
+    d, dh, inter = a.dim, a.head_dim, a.hidden_dim
+    q, kv = a.n_heads * dh, a.n_kv_heads * dh
+    shapes = {"tok_embeddings.weight": (a.vocab_size, d)}
+    for i in range(a.n_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attention.wq.weight": (q, d),
+            p + "attention.wk.weight": (kv, d),
+            p + "attention.wv.weight": (kv, d),
+            p + "attention.wo.weight": (d, q),
+            p + "attention.q_norm.weight": (dh,),
+            p + "attention.k_norm.weight": (dh,),
+            p + "feed_forward.w1.weight": (inter, d),
+            p + "feed_forward.w2.weight": (d, inter),
+            p + "feed_forward.w3.weight": (inter, d),
+            p + "attention_norm.weight": (d,),
+            p + "ffn_norm.weight": (d,),
+        })
+    shapes["norm.weight"] = (d,)
+    shapes["output.weight"] = (a.vocab_size, d)
+    return shapes
+
+
+def _list_some(names: list[str], limit: int = 3) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def check_state_dict(sd: dict, expected: dict[str, tuple[int, ...]], what: str, hint: str) -> None:
+    """Raise WeightsError unless `sd` has exactly the `expected` names, shapes, and float tensors."""
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        raise WeightsError(f"{what} is missing {len(missing)} tensor(s): {_list_some(missing)}; {hint}")
+    unknown = sorted(k for k in sd if k not in expected)
+    if unknown:
+        raise WeightsError(f"{what} has {len(unknown)} unexpected tensor(s): {_list_some(unknown)}; {hint}")
+    for name, shape in expected.items():
+        t = sd[name]
+        if tuple(t.shape) != shape:
+            raise WeightsError(
+                f"{what}: {name} has shape {list(t.shape)} but the config implies {list(shape)}; {hint}"
+            )
+        if not t.is_floating_point():
+            raise WeightsError(f"{what}: {name} has dtype {t.dtype}, expected a floating-point tensor; {hint}")
+
+
+def _drop_tied_output(sd: dict, src: str, dst: str, what: str) -> dict:
+    """With tied embeddings the head IS the embedding: drop `src` if present, insisting it equals `dst`."""
+    if src not in sd:
+        return sd
+    if dst in sd and sd[src] is not sd[dst] and not torch.equal(sd[src], sd[dst]):
+        raise WeightsError(
+            f"{what}: config ties embeddings (tie_word_embeddings=true) but {src} differs from {dst}; "
+            "set tie_word_embeddings=false in config.json or drop the separate head"
+        )
+    return {k: v for k, v in sd.items() if k != src}
+
+
+# ---------------------------------------------------------------------------------------------
+# HF <-> TorchTitan
+
+
+def _adapter(model_args):
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+    return Qwen3StateDictAdapter(model_args, hf_assets_path=None)
+
+
+def hf_to_titan(hf_sd: dict, model_args) -> dict:
+    """HF Qwen3 state dict -> TorchTitan state dict (tied: output.weight is the embedding tensor)."""
+    hf_sd = _drop_tied_output(hf_sd, "lm_head.weight", "model.embed_tokens.weight", "HF state dict") \
+        if model_args.enable_weight_tying else hf_sd
+    check_state_dict(hf_sd, expected_hf_shapes(model_args), "HF state dict",
+                     "the weights do not match the model config")
+    # The adapter inserts lm_head.weight into the dict it is given when weights are tied: copy it.
+    titan_sd = _adapter(model_args).from_hf(dict(hf_sd))
+    check_state_dict(titan_sd, expected_titan_shapes(model_args), "converted TorchTitan state dict",
+                     "this is a bug in weights.hf_to_titan")
+    return titan_sd
+
+
+def titan_to_hf(titan_sd: dict, model_args) -> dict:
+    """TorchTitan state dict -> HF Qwen3 state dict (tied: no lm_head.weight, as HF stores it)."""
+    expected = expected_titan_shapes(model_args)
+    if model_args.enable_weight_tying:
+        titan_sd = _drop_tied_output(titan_sd, "output.weight", "tok_embeddings.weight", "TorchTitan state dict")
+        expected = {k: v for k, v in expected.items() if k != "output.weight"}
+    # Validate first: the adapter silently drops names it does not know.
+    check_state_dict(titan_sd, expected, "TorchTitan state dict", "the weights do not match the model config")
+    hf_sd = _adapter(model_args).to_hf(dict(titan_sd))
+    check_state_dict(hf_sd, expected_hf_shapes(model_args), "converted HF state dict",
+                     "this is a bug in weights.titan_to_hf")
+    # canonical order, so that saved files and iteration order do not depend on the input's order
+    return {k: hf_sd[k] for k in expected_hf_shapes(model_args)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading checkpoints
+
+
+def _load_safetensors_file(path: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise WeightsError(f"{path} is not a readable safetensors file ({e}); re-download or regenerate it") from None
+
+
+def _read_safetensors(model_dir: Path) -> dict:
+    """All tensors of a checkpoint: model.safetensors, or the shards a model.safetensors.index.json lists."""
+    index_path, single = model_dir / "model.safetensors.index.json", model_dir / "model.safetensors"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index_path} is not a valid safetensors index ({e!r}); re-download the checkpoint") from None
+        sd: dict = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (model_dir / shard).is_file():
+                raise WeightsError(f"{model_dir / shard} (listed in {index_path.name}) is missing; re-download the checkpoint")
+            part = _load_safetensors_file(model_dir / shard)
+            twice = sorted(set(part) & set(sd))
+            if twice:
+                raise WeightsError(f"{model_dir}: tensor(s) {_list_some(twice)} appear in more than one shard")
+            sd.update(part)
+        unlisted = sorted(set(sd) ^ set(weight_map))
+        if unlisted:
+            raise WeightsError(f"{index_path} and its shards disagree on {_list_some(unlisted)}; re-download the checkpoint")
+        return sd
+    if single.is_file():
+        return _load_safetensors_file(single)
+    if list(model_dir.glob("*.safetensors")):
+        raise WeightsError(f"{model_dir} has *.safetensors shards but no model.safetensors.index.json; re-download the checkpoint")
+    if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
+        raise WeightsError(f"{model_dir} has only PyTorch .bin/.pt weights; only safetensors are supported, convert or re-download")
+    raise WeightsError(f"{model_dir} has no model.safetensors; is it a Hugging Face checkpoint directory?")
+
+
+def load_hf_checkpoint(model_dir: str | Path) -> tuple[dict, dict]:
+    """(config.json dict, HF state dict) of a validated local Qwen3 safetensors checkpoint."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise WeightsError(f"model directory {model_dir} does not exist; pass a Qwen3 checkpoint directory")
+    try:
+        cfg = load_hf_config(model_dir)
+        model_args = model_args_from_hf_config(cfg)
+    except ConfigError as e:
+        raise WeightsError(f"{model_dir}: {e}") from None
+    sd = _read_safetensors(model_dir)
+    # Non-learned RoPE buffers that some exporters include: nothing to load, so ignore them.
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    if model_args.enable_weight_tying:
+        sd = _drop_tied_output(sd, "lm_head.weight", "model.embed_tokens.weight", str(model_dir))
+    check_state_dict(sd, expected_hf_shapes(model_args), str(model_dir),
+                     "the weights do not match config.json: re-download or regenerate the checkpoint")
+    return cfg, sd
+
+
+def resolve_model_dir(model: str = DEFAULT_MODEL, local_dir: str | Path | None = None) -> Path:
+    """A local directory as-is (no network); otherwise download HF repo `model` and return its path."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise WeightsError(f"model directory {model} does not exist; pass an existing directory or a Hugging Face repo id like {DEFAULT_MODEL}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        out = snapshot_download(repo_id=model, allow_patterns=DOWNLOAD_PATTERNS,
+                                local_dir=str(local_dir) if local_dir is not None else None)
+    except Exception as e:  # offline, unknown repo, auth, disk...: all become one actionable line
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise WeightsError(
+            f"could not download {model!r} from the Hugging Face Hub ({type(e).__name__}: {first_line}); "
+            "check the repo id and network access (HF_TOKEN, HF_HUB_OFFLINE), or pass a local checkpoint directory"
+        ) from None
+    return Path(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing random checkpoints
+
+
+def _write_safetensors_streaming(path: Path, shapes: dict, dtype: torch.dtype,
+                                 make_tensor: Callable[[str, tuple], torch.Tensor]) -> None:
+    """Write a safetensors file one tensor at a time, so memory stays at one tensor.
+
+    The format is an 8-byte little-endian header length, a JSON header giving each tensor's
+    dtype, shape and byte range, then the raw little-endian bytes back to back.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # pad like the reference writer, keeping tensor data 8-aligned
+    report_every = offset // 10 if offset > 1 << 30 else None  # progress only for big files
+    written, next_report = 0, report_every
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, shape in shapes.items():
+            t = make_tensor(name, shape).to(dtype).contiguous()
+            f.write(t.view(torch.uint8).numpy().data)
+            written += t.numel() * itemsize
+            if report_every and written >= next_report:
+                logger.info("wrote %.1f of %.1f GB (%d%%)", written / 1e9, offset / 1e9, 100 * written // offset)
+                while next_report <= written:
+                    next_report += report_every
+
+
+def random_tensor_maker(seed: int) -> Callable[[str, tuple], torch.Tensor]:
+    """Deterministic random weights drawn in a fixed order from one seeded CPU generator.
+
+    Matrices ~ N(0, 0.02^2); RMSNorm weights ~ 1 + 0.1 N(0, 1), so that norms are not identities
+    and a conversion that mixed two norms up would change the model's output.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def make(name: str, shape: tuple) -> torch.Tensor:
+        t = torch.randn(shape, generator=gen, dtype=torch.float32)
+        return t.mul_(0.1).add_(1.0) if name.endswith("norm.weight") else t.mul_(0.02)
+
+    return make
+
+
+def write_random_checkpoint(out_dir: str | Path, shape: str, num_layers: int | None = None, seed: int = 0,
+                            dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
+    """Write a complete HF-format Qwen3 checkpoint with random weights (config, generation config,
+    model.safetensors, tokenizer). Same arguments -> identical tensor bytes. Written to a temporary
+    directory next to `out_dir` and renamed into place, so `out_dir` is never half-written."""
+    from spirl.tokenizer import save_qwen3_tokenizer
+
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise WeightsError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, _SAFETENSORS_DTYPES))}")
+    try:
+        cfg = hf_config_for_shape(shape, num_layers)
+    except ConfigError as e:
+        raise WeightsError(str(e)) from None
+    cfg["torch_dtype"] = _CONFIG_DTYPE_NAMES[dtype]
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise WeightsError(f"{out} exists and is not a directory; choose another output path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise WeightsError(f"{out} already exists and is not empty; remove it, choose another path, or pass --force")
+    shapes = expected_hf_shapes(model_args_from_hf_config(cfg))
+    n_params = sum(math.prod(s) for s in shapes.values())
+    logger.info("writing random %s checkpoint (%d layers, %.2fB params, %s, seed %d) to %s",
+                shape, cfg["num_hidden_layers"], n_params / 1e9, cfg["torch_dtype"], seed, out)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(QWEN3_GENERATION_CONFIG, indent=2) + "\n")
+        _write_safetensors_streaming(tmp / "model.safetensors", shapes, dtype, random_tensor_maker(seed))
+        save_qwen3_tokenizer(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary directory
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def summarize(model_dir: Path, cfg: dict, sd: dict) -> str:
+    """A few human-readable lines describing a validated checkpoint."""
+    a = model_args_from_hf_config(cfg)
+    n_params = sum(t.numel() for t in sd.values())
+    dtypes = ", ".join(sorted({str(t.dtype).removeprefix("torch.") for t in sd.values()}))
+    has_tok = (model_dir / "tokenizer.json").is_file()
+    return "\n".join([
+        f"{model_dir}: Qwen3, {a.n_layers} layers, hidden {a.dim}, heads {a.n_heads} q / {a.n_kv_heads} kv x {a.head_dim}, "
+        f"intermediate {a.hidden_dim}, vocab {a.vocab_size}, {'tied' if a.enable_weight_tying else 'untied'} embeddings",
+        f"tensors: {len(sd)}, parameters: {n_params:,} ({n_params / 1e9:.3f}B), dtype: {dtypes}",
+        f"tokenizer: {'tokenizer.json present' if has_tok else 'MISSING (no tokenizer.json)'}",
+        "OK",
+    ])
+
+
+class _OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (no usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _OneLineArgumentParser(prog="weights.py", description=__doc__.split("\n\n")[0])
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--random", metavar="SHAPE", choices=list(SHAPES),
+                      help=f"write a random checkpoint of this shape: {', '.join(SHAPES)}")
+    mode.add_argument("--download", metavar="REPO_ID", help=f"download a Hugging Face repo (e.g. {DEFAULT_MODEL})")
+    mode.add_argument("--check", metavar="DIR", help="load and validate a checkpoint directory, print a summary")
+    p.add_argument("--out", metavar="DIR", help="output directory for --random / --download")
+    p.add_argument("--layers", type=int, help="--random: number of layers (default: the shape's)")
+    p.add_argument("--seed", type=int, default=0, help="--random: generator seed (default 0)")
+    p.add_argument("--dtype", choices=list(_CLI_DTYPES), default="bf16", help="--random: weight dtype (default bf16)")
+    p.add_argument("--force", action="store_true", help="--random: replace a non-empty --out directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if (args.random or args.download) and not args.out:
+        parser.error("--out DIR is required with --random and --download")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.random:
+            model_dir = write_random_checkpoint(args.out, args.random, num_layers=args.layers, seed=args.seed,
+                                                dtype=_CLI_DTYPES[args.dtype], overwrite=args.force)
+        elif args.download:
+            model_dir = resolve_model_dir(args.download, local_dir=args.out)
+        else:
+            model_dir = Path(args.check)
+        cfg, sd = load_hf_checkpoint(model_dir)
+    except (WeightsError, ConfigError, OSError) as e:
+        print(f"weights.py: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    print(summarize(model_dir, cfg, sd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""TorchTitan <-> our merged "vLLM-compat" layout <-> the HF names vLLM's `load_weights` takes.
+
+The vLLM-compatible trainer model (torchtitan_compat/model.py) fuses projections the way vLLM's
+Qwen3 does, so its matmuls have vLLM's shapes:
+
+    tok_embeddings.weight                       [V, D]
+    layers.{i}.attention_norm.weight            [D]
+    layers.{i}.attention.qkv_proj.weight        [(Hq + 2 Hkv) Dh, D]  = cat([wq, wk, wv], 0)
+    layers.{i}.attention.o_proj.weight          [D, Hq Dh]            = wo
+    layers.{i}.attention.q_norm.weight          [Dh]
+    layers.{i}.attention.k_norm.weight          [Dh]
+    layers.{i}.ffn_norm.weight                  [D]
+    layers.{i}.feed_forward.gate_up_proj.weight [2 I, D]              = cat([w1, w3], 0)
+    layers.{i}.feed_forward.down_proj.weight    [D, I]                = w2
+    norm.weight                                 [D]
+    output.weight                               [V, D]  only when embeddings are untied
+
+Concatenation and splitting only move bytes, so every round trip is bit-exact. Splits return
+views into the merged tensor (no copy) unless `clone=True`, which gives independent tensors that
+can be modified without touching the fused weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from weights import WeightsError, check_state_dict, expected_titan_shapes, hf_to_titan, titan_to_hf
+
+_HINT = "the weights do not match the model config"
+
+
+def _dims(model_args) -> tuple[int, int, int]:
+    """(rows of wq, rows of wk == rows of wv, FFN hidden size)."""
+    return model_args.n_heads * model_args.head_dim, model_args.n_kv_heads * model_args.head_dim, model_args.hidden_dim
+
+
+def expected_compat_shapes(model_args) -> dict[str, tuple[int, ...]]:
+    """Compat-layout names -> shapes, in canonical order."""
+    a = model_args
+    d, dh = a.dim, a.head_dim
+    q, kv, inter = _dims(a)
+    shapes = {"tok_embeddings.weight": (a.vocab_size, d)}
+    for i in range(a.n_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attention_norm.weight": (d,),
+            p + "attention.qkv_proj.weight": (q + 2 * kv, d),
+            p + "attention.o_proj.weight": (d, q),
+            p + "attention.q_norm.weight": (dh,),
+            p + "attention.k_norm.weight": (dh,),
+            p + "ffn_norm.weight": (d,),
+            p + "feed_forward.gate_up_proj.weight": (2 * inter, d),
+            p + "feed_forward.down_proj.weight": (d, inter),
+        })
+    shapes["norm.weight"] = (d,)
+    if not a.enable_weight_tying:  # tied: the model reuses tok_embeddings as the head
+        shapes["output.weight"] = (a.vocab_size, d)
+    return shapes
+
+
+def titan_to_compat(titan_sd: dict, model_args) -> dict:
+    """TorchTitan state dict -> compat layout (fused qkv and gate_up; tied: no output.weight)."""
+    expected = expected_titan_shapes(model_args)
+    if model_args.enable_weight_tying:
+        # Titan models with tying carry output.weight as an alias of the embedding; it must agree.
+        if "output.weight" in titan_sd:
+            out, emb = titan_sd["output.weight"], titan_sd.get("tok_embeddings.weight")
+            if emb is not None and out is not emb and not torch.equal(out, emb):
+                raise WeightsError("TorchTitan state dict: embeddings are tied but output.weight differs from "
+                                   "tok_embeddings.weight; use an untied config or drop output.weight")
+            titan_sd = {k: v for k, v in titan_sd.items() if k != "output.weight"}
+        expected = {k: v for k, v in expected.items() if k != "output.weight"}
+    check_state_dict(titan_sd, expected, "TorchTitan state dict", _HINT)
+
+    compat = {"tok_embeddings.weight": titan_sd["tok_embeddings.weight"]}
+    for i in range(model_args.n_layers):
+        t = c = f"layers.{i}."  # same prefix in both layouts
+        compat[c + "attention_norm.weight"] = titan_sd[t + "attention_norm.weight"]
+        compat[c + "attention.qkv_proj.weight"] = torch.cat(
+            [titan_sd[t + "attention.wq.weight"], titan_sd[t + "attention.wk.weight"], titan_sd[t + "attention.wv.weight"]], 0)
+        compat[c + "attention.o_proj.weight"] = titan_sd[t + "attention.wo.weight"]
+        compat[c + "attention.q_norm.weight"] = titan_sd[t + "attention.q_norm.weight"]
+        compat[c + "attention.k_norm.weight"] = titan_sd[t + "attention.k_norm.weight"]
+        compat[c + "ffn_norm.weight"] = titan_sd[t + "ffn_norm.weight"]
+        compat[c + "feed_forward.gate_up_proj.weight"] = torch.cat(
+            [titan_sd[t + "feed_forward.w1.weight"], titan_sd[t + "feed_forward.w3.weight"]], 0)
+        compat[c + "feed_forward.down_proj.weight"] = titan_sd[t + "feed_forward.w2.weight"]
+    compat["norm.weight"] = titan_sd["norm.weight"]
+    if not model_args.enable_weight_tying:
+        compat["output.weight"] = titan_sd["output.weight"]
+    return compat
+
+
+def compat_to_titan(compat_sd: dict, model_args, clone: bool = False) -> dict:
+    """Compat layout -> TorchTitan state dict (tied: output.weight is the embedding tensor, as
+    `weights.hf_to_titan` gives). Split weights are views of the fused ones unless `clone`."""
+    check_state_dict(compat_sd, expected_compat_shapes(model_args), "compat state dict", _HINT)
+    q, kv, inter = _dims(model_args)
+    own = (lambda t: t.clone()) if clone else (lambda t: t)
+    titan = {"tok_embeddings.weight": own(compat_sd["tok_embeddings.weight"])}
+    for i in range(model_args.n_layers):
+        t = c = f"layers.{i}."  # same prefix in both layouts
+        wq, wk, wv = compat_sd[c + "attention.qkv_proj.weight"].split([q, kv, kv], dim=0)
+        w1, w3 = compat_sd[c + "feed_forward.gate_up_proj.weight"].split([inter, inter], dim=0)
+        titan.update({
+            t + "attention.wq.weight": own(wq),
+            t + "attention.wk.weight": own(wk),
+            t + "attention.wv.weight": own(wv),
+            t + "attention.wo.weight": own(compat_sd[c + "attention.o_proj.weight"]),
+            t + "attention.q_norm.weight": own(compat_sd[c + "attention.q_norm.weight"]),
+            t + "attention.k_norm.weight": own(compat_sd[c + "attention.k_norm.weight"]),
+            t + "feed_forward.w1.weight": own(w1),
+            t + "feed_forward.w2.weight": own(compat_sd[c + "feed_forward.down_proj.weight"]),
+            t + "feed_forward.w3.weight": own(w3),
+            t + "attention_norm.weight": own(compat_sd[c + "attention_norm.weight"]),
+            t + "ffn_norm.weight": own(compat_sd[c + "ffn_norm.weight"]),
+        })
+    titan["norm.weight"] = own(compat_sd["norm.weight"])
+    titan["output.weight"] = (titan["tok_embeddings.weight"] if model_args.enable_weight_tying
+                              else own(compat_sd["output.weight"]))
+    return titan
+
+
+def compat_to_hf(compat_sd: dict, model_args, clone: bool = False) -> dict:
+    """Compat layout -> HF Qwen3 state dict (split q/k/v and gate/up; tied: no lm_head.weight)."""
+    return titan_to_hf(compat_to_titan(compat_sd, model_args, clone=clone), model_args)
+
+
+def hf_to_compat(hf_sd: dict, model_args) -> dict:
+    """HF Qwen3 state dict -> compat layout (via TorchTitan)."""
+    return titan_to_compat(hf_to_titan(hf_sd, model_args), model_args)
+
+
+def compat_to_vllm_weights(compat_sd: dict, model_args) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs for vLLM's `model.load_weights`, which fuses q/k/v and gate/up
+    itself (and skips lm_head when embeddings are tied). Tensors are views; vLLM copies them.
+    Validation happens here, not on the first `next()`."""
+    return iter(compat_to_hf(compat_sd, model_args).items())
