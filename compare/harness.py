@@ -70,9 +70,6 @@ class ParityHarness:
             self.model.backend = SwappedOpBackend(self.model.backend, cfg.swap_op)
         log.info("trainer kernel backend: %s", self.model.backend.name)
 
-    def engine_rope_cache(self) -> torch.Tensor:
-        return self.engine.model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
-
     def generate(self, prompts, n, max_tokens, temperature, seed) -> list[Sample]:
         return self.engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature,
                                     seed=seed)

@@ -28,17 +28,24 @@ def completion_rows(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
 
 
-def completion_logprobs(model, samples: list[Sample], device) -> list[torch.Tensor]:
-    """The trainer's float32 logprob of every completion token, one tensor per sample.
+def _completion_logits(model, samples: list[Sample], device):
+    """(logits [N, V] of the rows that predict completion tokens, those tokens [N], sizes).
 
-    Differentiable when grad is enabled. Only the rows that predict a completion token go through
-    lm_head (every op after the decoder is row-wise, so selecting rows first changes no bits)."""
+    One packed forward over every sample. Only the rows that predict a completion token go
+    through lm_head (every op after the decoder is row-wise, so selecting rows first changes no
+    bits)."""
     packed = pack([s.ids for s in samples], device=device)
     rows, targets = completion_rows(samples)
     h = model.hidden_states(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen)
     logits = bib.linear(h[rows.to(device)], model.output_weight(), model.backend)
-    lps = model.token_logprobs(logits, targets.to(device))
-    return list(lps.split([len(s.completion_ids) for s in samples]))
+    return logits, targets.to(device), [len(s.completion_ids) for s in samples]
+
+
+def completion_logprobs(model, samples: list[Sample], device) -> list[torch.Tensor]:
+    """The trainer's float32 logprob of every completion token, one tensor per sample.
+    Differentiable when grad is enabled."""
+    logits, targets, sizes = _completion_logits(model, samples, device)
+    return list(model.token_logprobs(logits, targets).split(sizes))
 
 
 @dataclass
@@ -92,13 +99,9 @@ def completion_logprobs_and_entropy(model, samples: list[Sample], device, entrop
     """`completion_logprobs` (the same ops, so the same bits) plus each completion token's
     float32 entropy of softmax(logits) over the vocabulary. The entropy is detached unless
     `entropy_grad` (an entropy bonus needs its gradient; a metric does not)."""
-    packed = pack([s.ids for s in samples], device=device)
-    rows, targets = completion_rows(samples)
-    h = model.hidden_states(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen)
-    logits = bib.linear(h[rows.to(device)], model.output_weight(), model.backend)
-    lps = model.token_logprobs(logits, targets.to(device))
+    logits, targets, sizes = _completion_logits(model, samples, device)
+    lps = model.token_logprobs(logits, targets)
     z = (logits if entropy_grad else logits.detach()).float()
     logp = torch.log_softmax(z, dim=-1)
     entropy = -(logp.exp() * logp).sum(dim=-1)
-    sizes = [len(s.completion_ids) for s in samples]
     return list(lps.split(sizes)), list(entropy.split(sizes))
