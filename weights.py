@@ -19,7 +19,8 @@ import shutil
 import struct
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -339,19 +340,42 @@ def write_random_checkpoint(out_dir: str | Path, shape: str, num_layers: int | N
     logger.info("writing random %s checkpoint (%d layers, %.2fB params, %s, seed %d) to %s",
                 shape, cfg["num_hidden_layers"], n_params / 1e9, cfg["torch_dtype"], seed, out)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(QWEN3_GENERATION_CONFIG, indent=2) + "\n")
         _write_safetensors_streaming(tmp / "model.safetensors", shapes, dtype, random_tensor_maker(seed))
         save_qwen3_tokenizer(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary directory
+    return out
+
+
+@contextmanager
+def atomic_directory(out: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory next to `out`; when the block succeeds it replaces `out`
+    (renamed into place), so `out` is never half-written. On an error `out` is left as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is an ordinary directory
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_hf_checkpoint(hf_sd: dict, src_dir: str | Path, out: str | Path) -> Path:
+    """Write an HF checkpoint: `hf_sd` as model.safetensors (float32) plus every other file of
+    `src_dir` (config, generation config, tokenizer), atomically."""
+    from safetensors.torch import save_file
+
+    src_dir, out = Path(src_dir), Path(out)
+    with atomic_directory(out) as tmp:
+        for f in src_dir.iterdir():
+            if f.is_file() and not f.name.startswith("model.safetensors"):
+                shutil.copy2(f, tmp / f.name)
+        save_file({k: v.detach().float().contiguous().cpu() for k, v in hf_sd.items()},
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from spirl.engines.base import Sample
-from spirl.parity import ParityReport, compare_logprobs, completion_logprobs
+from spirl.parity import ParityReport, compare_logprobs, sampled_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,12 @@ class ParityHarness:
         out, chunk, size = [], [], 0
         for s in samples:
             if chunk and size + len(s.ids) > self.cfg.max_packed_tokens:
-                out += completion_logprobs(self.model, chunk, "cuda")
+                out += sampled_logprobs(self.model, chunk, "cuda")
                 chunk, size = [], 0
             chunk.append(s)
             size += len(s.ids)
         if chunk:
-            out += completion_logprobs(self.model, chunk, "cuda")
+            out += sampled_logprobs(self.model, chunk, "cuda")
         return [t.cpu() for t in out]
 
     def compare(self, samples: list[Sample]) -> tuple[ParityReport, list[torch.Tensor]]:

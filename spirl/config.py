@@ -55,7 +55,17 @@ class TrainConfig:
     engine: str = "vllm"
     """Rollout engine: `vllm` (GPU, VLLM_BATCH_INVARIANT=1) or `native` (plain PyTorch, CPU ok)."""
     task: str = "arith"
-    """Task name (a module in spirl/tasks/): arith or gsm8k."""
+    """Task name (a module in spirl/tasks/): arith, gsm8k, synthetic, or calculator (multi-turn
+    tool use: the policy calls a calculator and answers, episodes of up to --max-turns turns)."""
+    max_turns: int = 4
+    """Multi-turn tasks: most policy turns per episode (--max-new-tokens is per turn)."""
+    save_rollouts: int = 0
+    """Multi-turn tasks: 1 = write each step's trajectories (ids, loss masks, logprobs, env replies)
+    to <out-dir>/<run-name>/rollouts/step_N.jsonl, the input of compare/retokenization.py."""
+    detect_retokenization: int = 1
+    """Multi-turn tasks: 1 = each step, run compare/retokenization.py's detector on the step's
+    trajectories under the current policy and log retok/* (the smoking guns a decode -> re-encode
+    pipeline would have trained on; SPIRL itself trains on the sampled ids)."""
     updates_per_batch: int = 1
     """Optimizer steps per rollout batch: the batch is split into this many mini-batches."""
     micro_batches: int = 1
@@ -98,6 +108,9 @@ class TrainConfig:
              "device must be auto, cpu, cuda or cuda:N"),
             (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
             (self.max_grad_norm >= 0, "max_grad_norm must be >= 0"),
+            (self.max_turns >= 1, "max_turns must be >= 1"),
+            (self.save_rollouts in (0, 1), "save_rollouts must be 0 or 1"),
+            (self.detect_retokenization in (0, 1), "detect_retokenization must be 0 or 1"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -126,7 +139,7 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line on stderr (no usage dump), exit status 2."""
 
     def error(self, message: str):
@@ -134,7 +147,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(cls=TrainConfig) -> argparse.ArgumentParser:
-    parser = _OneLineParser(description="GRPO with bitwise parity between rollout engine and trainer.",
+    parser = OneLineParser(description="GRPO with bitwise parity between rollout engine and trainer.",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     docs = field_docs(cls)
     for f in fields(cls):

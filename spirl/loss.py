@@ -38,13 +38,13 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
               advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float, kl_coef: float,
               entropy: torch.Tensor | None = None, entropy_coef: float = 0.0
               ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO loss over N sequences padded to L completion tokens.
+    """GRPO loss over N sequences padded to L sampled tokens.
 
     logprobs      float [N, L]  current policy log p(token), differentiable
     old_logprobs  float [N, L]  policy that sampled the tokens (the rollout's, = trainer's by parity)
     ref_logprobs  float [N, L]  frozen reference policy
     advantages    float [N]     one per sequence (grpo_advantages)
-    mask          bool/float [N, L]  1 on real completion tokens, 0 on padding
+    mask          bool/float [N, L]  1 on real sampled tokens, 0 on padding
     entropy       float [N, L] or None  per-token entropy of the current policy
     Returns (scalar loss, metrics) with metrics pg_loss, kl_div, entropy, ratio_mean,
     ratio_clipped_frac as Python floats. Per token:

@@ -81,6 +81,13 @@ class MetricsLogger:
                  scalars.get("loss", float("nan")), scalars.get("kl_div", float("nan")),
                  int(scalars.get("parity/tokens_different", -1)), int(scalars.get("parity/tokens_compared", -1)),
                  sum(v for k, v in scalars.items() if k.startswith("time/")))
+        if "episode/turns_mean" in scalars:
+            log.info("step %d/%d  multi-turn: %.2f turns/episode, %.2f env errors/episode, naive retokenization "
+                     "would differ in %d tokens (%d trained, %d smoking guns < -15); TI/TO: 0",
+                     step, total_steps, scalars["episode/turns_mean"], scalars["episode/env_errors_mean"],
+                     int(scalars.get("retok/naive_tokens_differing", -1)),
+                     int(scalars.get("retok/naive_trained_tokens_differing", -1)),
+                     int(scalars.get("retok/smoking_guns", -1)))
 
     def close(self) -> None:
         self.tb.close()

@@ -1,8 +1,9 @@
 """Trainer-side logprobs of sampled tokens, and the bitwise comparison with the engine's.
 
-The trainer recomputes every sample (prompt + completion) in one packed forward and takes the
-logprob of each completion token from the row that predicts it: token j of a completion that
-follows a prompt of length P is predicted by row P - 1 + j of that sequence.
+The trainer recomputes every trainable sequence (a single-turn Sample or a multi-turn
+Trajectory: `ids`, `loss_mask`, `logprobs`, see spirl.engines.base) in one packed forward and
+takes the logprob of each sampled token (loss_mask True) from the row that predicts it: token i
+of a sequence is predicted by row i - 1 of that sequence.
 """
 
 from __future__ import annotations
@@ -17,34 +18,43 @@ from torchtitan_compat import pack
 from .engines.base import Sample
 
 
-def completion_rows(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows into the packed batch that predict completion tokens, those tokens), both int64."""
-    rows, targets, offset = [], [], 0
-    for s in samples:
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        rows.extend(range(offset + p - 1, offset + p - 1 + c))
-        targets.extend(s.completion_ids)
-        offset += p + c
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
+def sampled_rows(seqs: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(rows into the packed batch that predict sampled tokens, those tokens, per-sequence counts).
+
+    Works from each sequence's `loss_mask`, so a prompt + completion and a multi-turn trajectory
+    (sampled turns between environment replies) are handled alike."""
+    rows, targets, sizes, offset = [], [], [], 0
+    for i, s in enumerate(seqs):
+        ids, mask = s.ids, s.loss_mask
+        if len(mask) != len(ids):
+            raise ValueError(f"sequence {i}: loss_mask has {len(mask)} entries for {len(ids)} tokens")
+        if mask and mask[0]:
+            raise ValueError(f"sequence {i}: its first token is marked sampled, but nothing predicts it")
+        picked = [j for j, m in enumerate(mask) if m]
+        rows.extend(offset + j - 1 for j in picked)
+        targets.extend(ids[j] for j in picked)
+        sizes.append(len(picked))
+        offset += len(ids)
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long), sizes
 
 
-def _completion_logits(model, samples: list[Sample], device):
-    """(logits [N, V] of the rows that predict completion tokens, those tokens [N], sizes).
+def _sampled_logits(model, seqs: list[Sample], device):
+    """(logits [N, V] of the rows that predict sampled tokens, those tokens [N], sizes).
 
-    One packed forward over every sample. Only the rows that predict a completion token go
+    One packed forward over every sequence. Only the rows that predict a sampled token go
     through lm_head (every op after the decoder is row-wise, so selecting rows first changes no
     bits)."""
-    packed = pack([s.ids for s in samples], device=device)
-    rows, targets = completion_rows(samples)
+    packed = pack([s.ids for s in seqs], device=device)
+    rows, targets, sizes = sampled_rows(seqs)
     h = model.hidden_states(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen)
     logits = bib.linear(h[rows.to(device)], model.output_weight(), model.backend)
-    return logits, targets.to(device), [len(s.completion_ids) for s in samples]
+    return logits, targets.to(device), sizes
 
 
-def completion_logprobs(model, samples: list[Sample], device) -> list[torch.Tensor]:
-    """The trainer's float32 logprob of every completion token, one tensor per sample.
+def sampled_logprobs(model, seqs: list[Sample], device) -> list[torch.Tensor]:
+    """The trainer's float32 logprob of every sampled token, one tensor per sequence.
     Differentiable when grad is enabled."""
-    logits, targets, sizes = _completion_logits(model, samples, device)
+    logits, targets, sizes = _sampled_logits(model, seqs, device)
     return list(model.token_logprobs(logits, targets).split(sizes))
 
 
@@ -54,7 +64,7 @@ class ParityReport:
     tokens_different: int
     max_abs_diff: float
     first_mismatch: tuple[int, int] | None = None
-    """(sample index, completion position) of the first differing token, if any."""
+    """(sequence index, index among its sampled tokens) of the first differing token, if any."""
     per_sample_different: list[int] = field(default_factory=list)
 
     @property
@@ -69,13 +79,13 @@ class ParityReport:
         if self.bitwise_identical:
             return head + " - EXACT BITWISE MATCH"
         s, j = self.first_mismatch
-        return head + f" - first mismatch: sample {s}, completion token {j}"
+        return head + f" - first mismatch: sequence {s}, sampled token {j}"
 
 
 def compare_logprobs(engine_lps: list[torch.Tensor], trainer_lps: list[torch.Tensor]) -> ParityReport:
     """Bitwise comparison (torch.equal semantics per token: same float32 value) of two lists."""
     if len(engine_lps) != len(trainer_lps):
-        raise ValueError(f"{len(engine_lps)} engine samples vs {len(trainer_lps)} trainer samples")
+        raise ValueError(f"{len(engine_lps)} engine sequences vs {len(trainer_lps)} trainer sequences")
     compared = different = 0
     max_diff, first, per_sample = 0.0, None, []
     for i, (a, b) in enumerate(zip(engine_lps, trainer_lps)):
@@ -94,12 +104,12 @@ def compare_logprobs(engine_lps: list[torch.Tensor], trainer_lps: list[torch.Ten
     return ParityReport(compared, different, max_diff, first, per_sample)
 
 
-def completion_logprobs_and_entropy(model, samples: list[Sample], device, entropy_grad: bool = False
-                                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """`completion_logprobs` (the same ops, so the same bits) plus each completion token's
+def sampled_logprobs_and_entropy(model, seqs: list[Sample], device, entropy_grad: bool = False
+                                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`sampled_logprobs` (the same ops, so the same bits) plus each sampled token's
     float32 entropy of softmax(logits) over the vocabulary. The entropy is detached unless
     `entropy_grad` (an entropy bonus needs its gradient; a metric does not)."""
-    logits, targets, sizes = _completion_logits(model, samples, device)
+    logits, targets, sizes = _sampled_logits(model, seqs, device)
     lps = model.token_logprobs(logits, targets)
     z = (logits if entropy_grad else logits.detach()).float()
     logp = torch.log_softmax(z, dim=-1)

@@ -26,11 +26,11 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
+import os
 import random
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,7 +40,8 @@ from .config import TrainConfig, to_dict
 from .engines.base import Sample
 from .loss import grpo_advantages, grpo_loss, pad
 from .metrics import MetricsLogger, weight_deltas
-from .parity import ParityReport, compare_logprobs, completion_logprobs, completion_logprobs_and_entropy
+from .multiturn import episode_metrics, run_episodes
+from .parity import ParityReport, compare_logprobs, sampled_logprobs, sampled_logprobs_and_entropy
 
 log = logging.getLogger("spirl.trainer")
 
@@ -168,28 +169,31 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def check_parity(samples: list[Sample], trainer_lps, step: int, run_dir: Path, engine, policy) -> ParityReport:
+    """Every sampled token (every turn of a multi-turn trajectory): engine logprob == trainer's, bitwise."""
     report = compare_logprobs([s.logprobs for s in samples], trainer_lps)
     if report.bitwise_identical:
         return report
     i, j = report.first_mismatch or (0, 0)
     s = samples[i]
-    detail = {"step": step, "summary": report.summary(), "sample_index": i, "completion_position": j,
-              "prompt_ids": s.prompt_ids, "completion_ids": s.completion_ids,
+    position = [k for k, m in enumerate(s.loss_mask) if m][j]
+    detail = {"step": step, "summary": report.summary(), "sequence_index": i, "sampled_token_index": j,
+              "token_position": position, "ids": s.ids, "loss_mask": s.loss_mask,
               "engine_logprobs": s.logprobs.tolist(), "trainer_logprobs": trainer_lps[i].float().cpu().tolist(),
-              "per_sample_different": report.per_sample_different}
+              "per_sequence_different": report.per_sample_different}
     if hasattr(engine, "llm"):  # vLLM: find the first layer/op that differs
         try:
             from types import SimpleNamespace
 
             from compare.localize import localize_sample
 
-            detail["localization"] = localize_sample(SimpleNamespace(engine=engine, model=policy.model), s.ids)
+            detail["localization"] = localize_sample(SimpleNamespace(engine=engine, model=policy.model),
+                                                     s.ids[:position + 1])
         except Exception as e:  # the report must still be written
             detail["localization"] = f"localization failed: {type(e).__name__}: {e}"
     path = run_dir / f"parity_failure_step{step:06d}.json"
     path.write_text(json.dumps(detail, indent=1) + "\n")
-    log.error("PARITY BROKEN at step %d: %s; sample %d (prompt %d + completion %d tokens); report: %s",
-              step, report.summary(), i, len(s.prompt_ids), len(s.completion_ids), path)
+    log.error("PARITY BROKEN at step %d: %s; sequence %d (%d tokens, %d sampled), token position %d; report: %s",
+              step, report.summary(), i, len(s.ids), len(s.logprobs), position, path)
     if "localization" in detail:
         log.error("%s", detail["localization"])
     raise ParityError(f"step {step}: {report.summary()} (report: {path})")
@@ -203,7 +207,7 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
     for start in range(0, n, size):
         sl = slice(start, start + size)
         with timed(times, "forward"):
-            lps, ent = completion_logprobs_and_entropy(policy.model, samples[sl], device,
+            lps, ent = sampled_logprobs_and_entropy(policy.model, samples[sl], device,
                                                        entropy_grad=cfg.entropy_coef > 0)
             lp, mask = pad(lps)
             loss, m = grpo_loss(lp, pad(old_lps[sl])[0].to(device), pad(ref_lps[sl])[0].to(device),
@@ -226,25 +230,64 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
     return sums
 
 
-def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, run_dir: Path) -> dict:
-    times: dict[str, float] = {}
+def collect(step: int, cfg: TrainConfig, task, engine) -> tuple[list, list[dict], torch.Tensor, dict]:
+    """(trainable sequences, their prompts' metadata, rewards [N], extra metrics) of one step,
+    prompt-major: single-turn Samples, or multi-turn Trajectories when the task is an environment."""
     rng = random.Random(step_seed(cfg.seed, step))
     prompts = task.prompts(rng, cfg.prompts_per_step)
-    with timed(times, "rollout"):
-        samples = engine.generate([p for p, _ in prompts], n=cfg.group_size, max_tokens=cfg.max_new_tokens,
-                                  temperature=cfg.temperature, seed=step_seed(cfg.seed, step) % (2**31))
+    seed = step_seed(cfg.seed, step) % (2**31)
+    if getattr(task, "multi_turn", False):
+        trajs, metas = run_episodes(engine, task, prompts, cfg.group_size, cfg.max_turns, cfg.max_new_tokens,
+                                    cfg.temperature, seed)
+        rewards = [task.reward(t, m) for t, m in zip(trajs, metas)]
+        return trajs, metas, torch.tensor(rewards, dtype=torch.float32), episode_metrics(trajs)
+    samples = engine.generate([p for p, _ in prompts], n=cfg.group_size, max_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, seed=seed)
     metas = [meta for _, meta in prompts for _ in range(cfg.group_size)]
-    rewards = torch.tensor([task.reward(s.completion_ids, m) for s, m in zip(samples, metas)], dtype=torch.float32)
+    rewards = [task.reward(s.completion_ids, m) for s, m in zip(samples, metas)]
+    return samples, metas, torch.tensor(rewards, dtype=torch.float32), {}
+
+
+def save_rollouts(path: Path, trajs, metas: list[dict], task, rewards: torch.Tensor) -> None:
+    """One JSON line per trajectory: the ids, masks and logprobs trained on, and the prompt messages
+    (what compare/retokenization.py needs to rebuild the naive text pipeline's sequence).
+    Written to a temporary file and renamed, so a file is never half-written."""
+    lines = [json.dumps({"trajectory": t.to_json(), "messages": m["messages"], "tools": task.format.tools,
+                         "reward": float(r)}) for t, m, r in zip(trajs, metas, rewards)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+def detect_retokenization(trajs, metas: list[dict], task, model, device) -> dict:
+    """retok/* metrics: compare/retokenization.py's detector on this step's trajectories."""
+    from compare.retokenization import detect
+
+    summary, _ = detect(trajs, [m["messages"] for m in metas], task.format, model, device)
+    return summary.metrics()
+
+
+def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, run_dir: Path) -> dict:
+    times: dict[str, float] = {}
+    with timed(times, "rollout"):
+        samples, metas, rewards, extra = collect(step, cfg, task, engine)
     adv = grpo_advantages(rewards, cfg.group_size)
+    multi_turn = getattr(task, "multi_turn", False)
+    if multi_turn and cfg.save_rollouts:
+        save_rollouts(run_dir / "rollouts" / f"step_{step:06d}.jsonl", samples, metas, task, rewards)
     with timed(times, "forward"), torch.no_grad():
-        trainer_lps = completion_logprobs(policy.model, samples, device)
+        trainer_lps = sampled_logprobs(policy.model, samples, device)
         report = check_parity(samples, trainer_lps, step, run_dir, engine, policy)
-        ref_lps = [x.float().cpu() for x in completion_logprobs(policy.ref, samples, device)]
+        ref_lps = [x.float().cpu() for x in sampled_logprobs(policy.ref, samples, device)]
     old_lps = [s.logprobs for s in samples]
     out = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
            "parity/tokens_compared": report.tokens_compared, "parity/tokens_different": report.tokens_different,
            "parity/max_abs_diff": report.max_abs_diff,
-           "completion_len_mean": sum(len(s.completion_ids) for s in samples) / len(samples)}
+           "completion_len_mean": sum(len(s.logprobs) for s in samples) / len(samples), **extra}
+    if multi_turn and cfg.detect_retokenization:
+        with torch.no_grad():
+            out.update(detect_retokenization(samples, metas, task, policy.model, device))
     if not bool((adv != 0).any()):
         log.warning("step %d: every group has equal rewards, so every advantage is 0: no update this step", step)
         out["skipped_update"] = 1.0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,7 +40,7 @@ def test_parity_report_counts_and_first_mismatch():
     off[1][2] = -5.0000005
     rep = compare_logprobs(eng, off)
     assert not rep.bitwise_identical and rep.tokens_different == 1 and rep.first_mismatch == (1, 2)
-    assert "first mismatch: sample 1, completion token 2" in rep.summary()
+    assert "first mismatch: sequence 1, sampled token 2" in rep.summary()
     assert not compare_logprobs([torch.tensor([])], [torch.tensor([])]).bitwise_identical  # 0 compared
 
 

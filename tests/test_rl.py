@@ -182,7 +182,7 @@ def test_parity_break_stops_with_report_and_keeps_checkpoint(tiny_ckpt, tmp_path
     with pytest.raises(trainer.ParityError, match="different: 1"):
         trainer.train(_cfg(tiny_ckpt, tmp_path, steps=1, max_new_tokens=2))
     report = tmp_path / "runs" / "full" / "parity_failure_step000001.json"
-    assert report.is_file() and '"sample_index": 3' in report.read_text()
+    assert report.is_file() and '"sequence_index": 3' in report.read_text()
     assert not (tmp_path / "ckpt" / "full").exists()
 
 

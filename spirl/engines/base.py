@@ -1,4 +1,12 @@
-"""What every rollout engine returns."""
+"""What every rollout engine returns, and what the trainer trains on.
+
+The trainer works on *trainable sequences*: anything with
+  ids        list[int]        the exact token ids the policy saw and produced, in order;
+  loss_mask  list[bool]       True where the token was sampled by the policy (trained on);
+  logprobs   float32 tensor   the engine's logprob of each masked-in token, in order.
+A single-turn `Sample` (prompt + completion) and a multi-turn `spirl.trajectory.Trajectory`
+(prompt, then sampled turns and environment replies) both are one.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +29,14 @@ class Sample:
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
+
+    @property
+    def loss_mask(self) -> list[bool]:
+        return [False] * len(self.prompt_ids) + [True] * len(self.completion_ids)
+
+    @property
+    def sampled_ids(self) -> list[int]:
+        return self.completion_ids
 
 
 def samples_by_prompt(samples: list[Sample], n: int) -> list[list[Sample]]:

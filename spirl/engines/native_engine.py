@@ -8,7 +8,7 @@ weights -> same samples.
 Logprobs: a KV-cache decode does not compute the same float operations as the trainer's packed
 full-sequence forward (different matmul shapes and attention splits), so its logprobs are not
 bitwise equal to the trainer's in general. The reported logprob of each sampled token is
-therefore *re-scored* after sampling with `spirl.parity.completion_logprobs`, the very packed
+therefore *re-scored* after sampling with `spirl.parity.sampled_logprobs`, the very packed
 forward the trainer uses (raw logits, before temperature). The per-step parity check is then
 exact by construction for this engine; it exists to test the plumbing on CPU. The real check is
 vLLM on the GPU.
@@ -21,7 +21,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from ..parity import completion_logprobs
+from ..parity import sampled_logprobs
 from .base import Sample
 
 
@@ -37,17 +37,28 @@ class NativeEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 64,
-                 temperature: float = 1.0, seed: int | None = None) -> list[Sample]:
-        """n samples per prompt, prompt-major (like VLLMEngine.generate)."""
-        gen = torch.Generator(device=self.device).manual_seed(0 if seed is None else seed)
+                 temperature: float = 1.0, seed: int | list[int] | None = None) -> list[Sample]:
+        """n samples per prompt, prompt-major (like VLLMEngine.generate). `seed`: one for the
+        call, or one per prompt."""
+        if isinstance(seed, list):
+            if len(seed) != len(prompts):
+                raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts")
+            gens = [torch.Generator(device=self.device).manual_seed(s) for s in seed]
+        else:
+            gens = [torch.Generator(device=self.device).manual_seed(0 if seed is None else seed)] * len(prompts)
         samples = []
-        for prompt in prompts:
+        for prompt, gen in zip(prompts, gens):
             for completion, reason in self._sample_group(list(prompt), n, max_tokens, temperature, gen):
                 samples.append(Sample(list(prompt), completion, torch.empty(0), reason))
-        lps = completion_logprobs(self.model, samples, self.device)
-        for s, lp in zip(samples, lps):
+        return self.rescore(samples)
+
+    @torch.no_grad()
+    def rescore(self, seqs: list) -> list:
+        """Set every sequence's logprobs to the trainer's packed forward over exactly these
+        sequences (see the module docstring). Multi-turn rollouts call it on whole trajectories."""
+        for s, lp in zip(seqs, sampled_logprobs(self.model, seqs, self.device)):
             s.logprobs = lp.float().cpu()
-        return samples
+        return seqs
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Copy (compat name, tensor) pairs in; tensors that already are the model's are skipped."""
@@ -65,7 +76,7 @@ class NativeEngine:
         return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
     def _sample_group(self, prompt, n, max_tokens, temperature, gen):
-        m, dev = self.model, self.device
+        dev = self.device
         tokens = torch.tensor(prompt, device=dev)
         positions = torch.arange(len(prompt), device=dev)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -71,13 +71,17 @@ class VLLMEngine:
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
     def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 64,
-                 temperature: float = 1.0, seed: int | None = None) -> list[Sample]:
-        """n samples per prompt, prompt-major. Sample i of a prompt uses sampling seed `seed + i`."""
+                 temperature: float = 1.0, seed: int | list[int] | None = None) -> list[Sample]:
+        """n samples per prompt, prompt-major. `seed`: one sampling seed for the call, or one per
+        prompt (multi-turn rollouts give each episode's turn its own)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0,
-                                seed=seed)
+        seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=s)
+                  for s in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                     params, use_tqdm=False)
         return [_to_sample(list(p), c) for p, out in zip(prompts, outputs) for c in out.outputs]

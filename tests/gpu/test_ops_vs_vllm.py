@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 T = 300  # > 256: the row count at which vLLM's fused add+norm changes its block size
 
