@@ -83,7 +83,7 @@ class MetricsLogger:
                  sum(v for k, v in scalars.items() if k.startswith("time/")))
         if "episode/turns_mean" in scalars:
             log.info("step %d/%d  multi-turn: %.2f turns/episode, %.2f env errors/episode, naive retokenization "
-                     "would differ in %d tokens (%d trained, %d smoking guns < -15); TI/TO: 0",
+                     "would differ in %d tokens (%d trained, %d smoking guns); TI/TO: 0",
                      step, total_steps, scalars["episode/turns_mean"], scalars["episode/env_errors_mean"],
                      int(scalars.get("retok/naive_tokens_differing", -1)),
                      int(scalars.get("retok/naive_trained_tokens_differing", -1)),

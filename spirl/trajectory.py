@@ -51,10 +51,6 @@ class Trajectory:
         self.segments.append(Segment(list(ids), sampled=False, text=text))
 
     @property
-    def prompt_ids(self) -> list[int]:
-        return self.segments[0].ids
-
-    @property
     def ids(self) -> list[int]:
         return [t for s in self.segments for t in s.ids]
 

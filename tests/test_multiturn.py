@@ -18,6 +18,7 @@ import torch
 
 from spirl.calculator import ToolError, evaluate, find_tool_call, run_tool_call
 from spirl.engines.base import Sample
+from spirl.engines.native_engine import NativeEngine
 from spirl.multiturn import run_episodes
 from spirl.trajectory import Trajectory
 
@@ -74,18 +75,17 @@ def behaviours(tok, expr: str, value: int) -> list[list[list[int]]]:
     ]
 
 
-class ScriptedEngine:
-    """Returns scripted turns instead of sampling; logprobs are the trainer's packed forward (as
-    NativeEngine does), so parity holds unless a test breaks it on purpose."""
+class ScriptedEngine(NativeEngine):
+    """Returns scripted turns instead of sampling; logprobs are the trainer's packed forward
+    (NativeEngine.rescore), so parity holds unless a test breaks it on purpose."""
 
-    def __init__(self, model, tok, scripts=None):
-        self.model, self.tok, self.scripts = model, tok, scripts
+    def __init__(self, model, tok):
+        super().__init__(model, eos_ids=[IM_END])
+        self.tok = tok
         self.episodes: list[tuple[list[int], list[list[int]]]] = []
         self.calls: list[list[list[int]]] = []
 
     def _script(self, prompt: list[int], k: int):
-        if self.scripts is not None:
-            return self.scripts[k % len(self.scripts)]
         text = self.tok.decode(prompt)
         expr = re.search(r"What is ([0-9*+]+)\?", text).group(1)
         return behaviours(self.tok, expr, evaluate(expr))[k % 4]
@@ -105,21 +105,6 @@ class ScriptedEngine:
             turn = p[len(prompt):].count(TOOL_RESPONSE)
             out.append(Sample(list(p), turns[turn], torch.zeros(len(turns[turn])), "stop"))
         return out
-
-    def rescore(self, seqs):
-        from spirl.parity import sampled_logprobs
-
-        with torch.no_grad():
-            for s, lp in zip(seqs, sampled_logprobs(self.model, seqs, "cpu")):
-                s.logprobs = lp.float()
-        return seqs
-
-    def load_weights(self, named_tensors):
-        params = dict(self.model.named_parameters())
-        for name, t in named_tensors:
-            if t.data_ptr() != params[name].data_ptr():
-                params[name].data.copy_(t)
-        return 0.0
 
 
 @pytest.fixture(scope="module")

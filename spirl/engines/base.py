@@ -34,10 +34,6 @@ class Sample:
     def loss_mask(self) -> list[bool]:
         return [False] * len(self.prompt_ids) + [True] * len(self.completion_ids)
 
-    @property
-    def sampled_ids(self) -> list[int]:
-        return self.completion_ids
-
 
 def samples_by_prompt(samples: list[Sample], n: int) -> list[list[Sample]]:
     """Group a flat list (prompt-major, n per prompt) into one list per prompt."""
