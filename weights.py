@@ -321,7 +321,7 @@ def write_random_checkpoint(out_dir: str | Path, shape: str, num_layers: int | N
     """Write a complete HF-format Qwen3 checkpoint with random weights (config, generation config,
     model.safetensors, tokenizer). Same arguments -> identical tensor bytes. Written to a temporary
     directory next to `out_dir` and renamed into place, so `out_dir` is never half-written."""
-    from spirl.tokenizer import save_qwen3_tokenizer
+    from torchtitan_compat.tokenizer import save_qwen3_tokenizer
 
     if dtype not in _SAFETENSORS_DTYPES:
         raise WeightsError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, _SAFETENSORS_DTYPES))}")

@@ -23,10 +23,13 @@ can be modified without touching the fused weights.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
-from weights import WeightsError, check_state_dict, expected_titan_shapes, hf_to_titan, titan_to_hf
+from torchtitan_compat import Qwen3VLLMCompatModel, model_args_from_hf_config, select_backend
+from weights import (WeightsError, check_state_dict, expected_titan_shapes, hf_to_titan, load_hf_checkpoint,
+                     titan_to_hf)
 
 _HINT = "the weights do not match the model config"
 
@@ -138,3 +141,17 @@ def compat_to_vllm_weights(compat_sd: dict, model_args) -> Iterator[tuple[str, t
     itself (and skips lm_head when embeddings are tied). Tensors are views; vLLM copies them.
     Validation happens here, not on the first `next()`."""
     return iter(compat_to_hf(compat_sd, model_args).items())
+
+
+def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32,
+               backend: str | object = "auto") -> Qwen3VLLMCompatModel:
+    """A Qwen3VLLMCompatModel in the merged layout from a validated HF checkpoint directory
+    (safetensors only). `backend`: a kernel-backend name (`auto`, `reference`, `vllm`) or object."""
+    hf_config, hf_sd = load_hf_checkpoint(model_dir)
+    args = model_args_from_hf_config(hf_config)
+    compat_sd = hf_to_compat(hf_sd, args)
+    with torch.device("meta"):
+        model = Qwen3VLLMCompatModel(args, backend="reference")
+    model.backend = select_backend(backend, device) if isinstance(backend, str) else backend
+    model.load_state_dict(compat_sd, strict=True, assign=True)
+    return model.to(device=device, dtype=dtype)

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     import weights
-    from spirl.tokenizer import load_tokenizer
+    from torchtitan_compat.tokenizer import load_tokenizer
 
     model_dir = str(weights.resolve_model_dir(args.model))
     tokenizer = load_tokenizer(model_dir)
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     print(f"Tokens different: {report.tokens_different}")
     print(report.summary().split(" - ")[-1])
     if not report.bitwise_identical and args.localize:
-        from compare.localize import localize_sample
+        from spirl.localize import localize_sample
 
         print(localize_sample(harness, samples[report.first_mismatch[0]].ids))
     return 0 if report.bitwise_identical else 1

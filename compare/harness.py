@@ -53,7 +53,7 @@ class SwappedOpBackend:
 class ParityHarness:
     def __init__(self, cfg: HarnessConfig):
         from spirl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-        from torchtitan_compat.loading import load_model
+        from weights_vllm_compat import load_model
 
         self.cfg = cfg
         self.engine = VLLMEngine(VLLMEngineConfig(

@@ -117,7 +117,7 @@ class Policy:
 
 
 def build_policy(model_dir: Path, cfg: TrainConfig, device: torch.device) -> Policy:
-    from torchtitan_compat.loading import load_model
+    from weights_vllm_compat import load_model
 
     dtype = getattr(torch, cfg.dtype)
     backend = "reference" if cfg.engine == "native" else "auto"
@@ -184,7 +184,7 @@ def check_parity(samples: list[Sample], trainer_lps, step: int, run_dir: Path, e
         try:
             from types import SimpleNamespace
 
-            from compare.localize import localize_sample
+            from spirl.localize import localize_sample
 
             detail["localization"] = localize_sample(SimpleNamespace(engine=engine, model=policy.model),
                                                      s.ids[:position + 1])
@@ -262,7 +262,7 @@ def save_rollouts(path: Path, trajs, metas: list[dict], task, rewards: torch.Ten
 
 def detect_retokenization(trajs, metas: list[dict], task, model, device) -> dict:
     """retok/* metrics: compare/retokenization.py's detector on this step's trajectories."""
-    from compare.retokenization import detect
+    from .retokenization import detect
 
     summary, _ = detect(trajs, [m["messages"] for m in metas], task.format, model, device)
     return summary.metrics()
@@ -334,7 +334,7 @@ def resume_into(policy: Policy, path: str, device) -> int:
 def train(cfg: TrainConfig) -> list[dict]:
     """Run cfg.steps GRPO steps; returns the per-step metrics (also logged)."""
     from .tasks import get_task
-    from .tokenizer import load_tokenizer
+    from torchtitan_compat.tokenizer import load_tokenizer
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -49,11 +49,11 @@ def scripted_episode(env, prompt_ids: list[int], meta: dict, rng: random.Random)
 
 def warmstart(model_dir: Path, out: Path, steps: int, batch: int, lr: float, seed: int, device) -> list[float]:
     """Train on scripted calculator episodes; write the result to `out`. Returns the loss per step."""
-    from torchtitan_compat.loading import load_model
+    from weights_vllm_compat import load_model
 
     from .parity import sampled_logprobs
     from .tasks.calculator import CalculatorEnv
-    from .tokenizer import load_tokenizer
+    from torchtitan_compat.tokenizer import load_tokenizer
 
     torch.manual_seed(seed)
     rng = random.Random(seed)

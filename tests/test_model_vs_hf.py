@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from torchtitan_compat import ops, pack
-from torchtitan_compat.loading import load_model
+from weights_vllm_compat import load_model
 
 transformers = pytest.importorskip("transformers")
 

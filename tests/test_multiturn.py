@@ -31,7 +31,7 @@ REPLY_AFTER = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n<
 
 @pytest.fixture(scope="module")
 def tok(tiny_ckpt):
-    from spirl.tokenizer import load_tokenizer
+    from torchtitan_compat.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_ckpt)
 
@@ -45,7 +45,7 @@ def env(tok):
 
 @pytest.fixture(scope="module")
 def model(tiny_ckpt):
-    from torchtitan_compat.loading import load_model
+    from weights_vllm_compat import load_model
 
     return load_model(tiny_ckpt, device="cpu", dtype=torch.float32, backend="reference")
 
@@ -242,7 +242,7 @@ def crafted_trajectory(env, tok, pieces):
 
 @pytest.mark.parametrize("name, pieces, merged", CRAFTED, ids=[c[0] for c in CRAFTED])
 def test_detector_reports_each_crafted_retokenization(env, tok, model, name, pieces, merged):
-    from compare.retokenization import detect
+    from spirl.retokenization import detect
 
     t, meta, at = crafted_trajectory(env, tok, pieces)
     assert t.ids[at:at + len(pieces)] == pieces  # TI/TO keeps the sampled ids
@@ -263,7 +263,7 @@ def test_detector_scores_naive_tokens_under_the_model(env, tok, model):
     """naive_logprobs are log p(naive token | naive prefix); smoking guns count trained ones below
     the threshold (the random tiny model puts every token near -log(V) = -11.9, so the threshold is
     moved to show the counting)."""
-    from compare.retokenization import detect, naive_retokenize
+    from spirl.retokenization import detect, naive_retokenize
 
     t, meta, at = crafted_trajectory(env, tok, [220, 1])
     naive = naive_retokenize(t, meta["messages"], env.format)
@@ -280,7 +280,7 @@ def test_detector_scores_naive_tokens_under_the_model(env, tok, model):
 def test_detector_finds_template_drift_in_multi_turn_history(episodes, model, env):
     """A real template difference: the empty think block Qwen3's template puts in every generation
     prompt (thinking off) is dropped from earlier assistant turns when the history is re-rendered."""
-    from compare.retokenization import detect
+    from spirl.retokenization import detect
 
     prompt, meta, trajs, _ = episodes
     summary, regions = detect(trajs[:1], [meta["messages"]], env.format, model, "cpu")

@@ -1,4 +1,4 @@
-"""spirl.tokenizer gives Qwen3's ids, special tokens and chat format."""
+"""torchtitan_compat.tokenizer gives Qwen3's ids, special tokens and chat format."""
 
 import json
 import random
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from spirl import tokenizer as qt
+from torchtitan_compat import tokenizer as qt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ CORPUS = [
     "", " ", "'s 're 've 'm 'll 'd 'S 'RE", "$$\\frac{a}{b}$$ **bold** `code` [link](http://x.y/z?q=1&r=2)",
 ]
 CORPUS += [" " * n for n in range(1, 70)] + ["\n" * n for n in range(1, 20)] + ["x" + "\t " * n + "y" for n in range(1, 20)]
-CORPUS += [(REPO_ROOT / name).read_text() for name in ("weights.py", "weights_vllm_compat.py", "spirl/tokenizer.py")]
+CORPUS += [(REPO_ROOT / name).read_text() for name in ("weights.py", "weights_vllm_compat.py", "torchtitan_compat/tokenizer.py")]
 _rng = random.Random(0)
 CORPUS += [_random_text(_rng, _rng.randint(1, 300)) for _ in range(1500)]
 

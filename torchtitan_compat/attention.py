@@ -15,31 +15,7 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_BLOCK = 128
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64 (gradient checks); everything else is computed in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[Hk, S, D] -> [Hk * n_rep, S, D], kv head h // n_rep serving query head h."""
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=0)
-
-
-def causal_block_scores(q_blk: torch.Tensor, k_seen: torch.Tensor, q_start: int, scale: float):
-    """Scaled scores [H, Bq, Sk] of query rows q_start.. against keys 0..Sk-1, future keys masked."""
-    scores = torch.matmul(q_blk, k_seen.transpose(-1, -2)) * scale
-    rows = torch.arange(q_start, q_start + q_blk.shape[-2], device=q_blk.device)
-    cols = torch.arange(k_seen.shape[-2], device=q_blk.device)
-    return scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
-
-
-def iter_sequences(cu_seqlens: torch.Tensor):
-    """(start, end) row ranges of the packed sequences."""
-    bounds = cu_seqlens.tolist()
-    return zip(bounds[:-1], bounds[1:])
+from batch_invariant_backward import DEFAULT_BLOCK, causal_block_scores, compute_dtype, expand_kv, iter_sequences
 
 
 def varlen_causal_attention(q, k, v, cu_seqlens, scale: float, block: int = DEFAULT_BLOCK):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchtitan_compat import pack
-from torchtitan_compat.loading import load_model
+from weights_vllm_compat import load_model
 
 LENGTHS = [37, 1, 300, 129, 2048, 5, 700, 64]  # the probe sequence first, then 7 others
 

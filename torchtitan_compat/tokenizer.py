@@ -303,7 +303,7 @@ def load_tokenizer(model_dir: str | Path):
         raise TokenizerError(f"model directory {model_dir} does not exist")
     if not (model_dir / "tokenizer.json").is_file():
         raise TokenizerError(
-            f"{model_dir} has no tokenizer.json; write one with spirl.tokenizer.save_qwen3_tokenizer({str(model_dir)!r})"
+            f"{model_dir} has no tokenizer.json; write one with torchtitan_compat.tokenizer.save_qwen3_tokenizer({str(model_dir)!r})"
         )
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     if not isinstance(tok, PreTrainedTokenizerFast):
