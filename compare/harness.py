@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from spirl.engines.base import Sample
+from spirl.engines.vllm_engine import VLLMEngineConfig
 from spirl.parity import ParityReport, compare_logprobs, sampled_logprobs
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class HarnessConfig:
     max_packed_tokens: int = 16384
     allow_batch_variant: bool = False
     """Run even without VLLM_BATCH_INVARIANT=1 (only to show that the check then fails)."""
+    cuda_graphs: str = VLLMEngineConfig.cuda_graphs
+    """The engine's CUDA-graph mode (spirl.engines.vllm_engine.CUDA_GRAPH_MODES)."""
 
 
 class SwappedOpBackend:
@@ -52,13 +55,13 @@ class SwappedOpBackend:
 
 class ParityHarness:
     def __init__(self, cfg: HarnessConfig):
-        from spirl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+        from spirl.engines.vllm_engine import VLLMEngine
         from weights_vllm_compat import load_model
 
         self.cfg = cfg
         self.engine = VLLMEngine(VLLMEngineConfig(
             cfg.model_dir, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
-            require_batch_invariant=not cfg.allow_batch_variant))
+            require_batch_invariant=not cfg.allow_batch_variant, cuda_graphs=cfg.cuda_graphs))
         backend = cfg.backend
         if backend == "vllm":
             from torchtitan_compat.vllm_ops import VLLMBackend

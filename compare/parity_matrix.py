@@ -6,6 +6,8 @@ Cases (one vLLM engine, one trainer model, in one process):
   single   1 prompt  of 2100 tokens, n=2, 256 new tokens, T=1.0
   batch8   8 prompts of 1..2100 tokens, n=2, 128 new tokens, T=0.7
   batch64 64 prompts of 1..2000 tokens, n=2, 64 new tokens, T=1.0 and T=0.7
+  odd39   13 prompts of 1..2500 tokens, n=3 (39 sequences: not a CUDA-graph capture size,
+          so decode steps run padded graphs), 96 new tokens, T=1.3
   alone    the first 3 prompts of batch8 again, one per call (same seeds): same completions
            and logprobs as inside the batch (vLLM's own batch invariance)
 Prints one line per case with the tokens compared and different; exit 0 only if every case
@@ -48,6 +50,7 @@ def cases(quick: bool):
         ("batch8", spread(8, 2100, 1), 2, 128 // scale, 0.7),
         ("batch64_T1.0", spread(64, 2000, 2), 2, 64 // scale, 1.0),
         ("batch64_T0.7", spread(64, 2000, 3), 2, 64 // scale, 0.7),
+        ("odd39_T1.3", spread(13, 2500, 4), 3, 96 // scale, 1.3),
     ]
 
 
@@ -90,12 +93,15 @@ def main(argv=None) -> int:
     p.add_argument("--backend", choices=("vllm", "reference"), default="vllm")
     p.add_argument("--swap-op", choices=OPS)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--cuda-graphs", default=HarnessConfig.cuda_graphs,
+                   help="the engine's CUDA-graph mode (none = eager)")
     p.add_argument("--allow-batch-variant", action="store_true",
                    help="run without VLLM_BATCH_INVARIANT=1 (to show the check then fails)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     harness = ParityHarness(HarnessConfig(args.model, args.backend, args.swap_op,
-                                          allow_batch_variant=args.allow_batch_variant))
+                                          allow_batch_variant=args.allow_batch_variant,
+                                          cuda_graphs=args.cuda_graphs))
     results = run(harness, args.quick)
     for r in results:
         print(json.dumps(r))

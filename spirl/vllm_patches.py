@@ -12,6 +12,18 @@ Patch 1 - residual add + RMSNorm (vLLM 0.26.0, `VLLM_BATCH_INVARIANT=1`):
     What: `residual = bf16(x + residual)` (the exact value the fused op writes), then the Triton
     batch-invariant RMSNorm of the new residual. The trainer (`torchtitan_compat/model.py`)
     computes the residual stream exactly this way, so both sides run the same arithmetic.
+
+Patch 2 - the batch-invariant linear layers' GEMM (vLLM 0.26.0, `VLLM_BATCH_INVARIANT=1`):
+    Why: vLLM's unquantized linear layers and lm_head call `linear_batch_invariant`, one Triton
+    config (128x128 tiles) for every row count. At decode (one row per sequence) that launches as
+    few as 16 programs for a 2048-wide output on a 132-SM GPU: the decode step is several times
+    slower than cuBLAS. `kernels.gemm.matmul` keeps vLLM's reduction order exactly (BLOCK_K 64,
+    the same K loop, fp32 accumulator, one rounding), so its output is bitwise vLLM's for every
+    row, and picks its tile shape by the row count for speed (tests/gpu/test_gemm.py proves the
+    bits). The trainer's linear layers run the same kernel.
+    What: the name `linear_batch_invariant` in vLLM's `linear` and `vocab_parallel_embedding`
+    modules (where `UnquantizedLinearMethod.apply` and `UnquantizedEmbeddingMethod.apply` look it
+    up) is rebound to a function of the same signature that calls `kernels.gemm.matmul`.
 """
 
 from __future__ import annotations
@@ -29,8 +41,9 @@ def apply() -> None:
     if _applied:
         return
     _patch_residual_rms_norm()
+    _patch_linear_gemm()
     _applied = True
-    log.info("vLLM patches applied: residual add + batch-invariant Triton RMSNorm")
+    log.info("vLLM patches applied: residual add + batch-invariant Triton RMSNorm; row-count-tuned GEMM")
 
 
 def _patch_residual_rms_norm() -> None:
@@ -44,3 +57,17 @@ def _patch_residual_rms_norm() -> None:
         return triton_rms_norm(residual, weight, eps), residual
 
     layernorm.rms_norm_batch_invariant = rms_norm_separate_residual_add
+
+
+def _patch_linear_gemm() -> None:
+    import vllm.model_executor.layers.linear as linear
+    import vllm.model_executor.layers.vocab_parallel_embedding as vocab
+
+    from kernels.gemm import matmul
+
+    def linear_batch_invariant_tuned(input, weight, bias=None):
+        out = matmul(input, weight)
+        return out if bias is None else out + bias  # vLLM adds a bias after the GEMM in bf16 too
+
+    linear.linear_batch_invariant = linear_batch_invariant_tuned
+    vocab.linear_batch_invariant = linear_batch_invariant_tuned

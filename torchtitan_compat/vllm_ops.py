@@ -2,7 +2,9 @@
 
 Which kernel vLLM runs for each op (read from its source, measured on an H100; see
 docs/vllm-0.26-forward-path.md):
-    linear (every projection and lm_head)  linear_batch_invariant       (Triton persistent GEMM)
+    linear (every projection and lm_head)  kernels.gemm.matmul          (Triton; vLLM's linear_batch_invariant
+                                            bit for bit, tiles tuned by row count; vllm_patches
+                                            makes the engine run it too)
     RMSNorm, incl. q/k norm per head       rms_norm_batch_invariant     (Triton; no residual path,
                                             see vllm_patches.py for why the residual add is separate)
     SiLU-and-mul                           torch.ops._C.silu_and_mul    (CUDA)
@@ -35,12 +37,13 @@ class VLLMBackend:
             raise BackendError(f"vLLM {vllm.__version__} is installed but parity is only proven for "
                                f"{PINNED_VLLM_VERSION}: pip install vllm=={PINNED_VLLM_VERSION}")
         import vllm._custom_ops  # noqa: F401  (registers torch.ops._C.*)
-        from vllm.model_executor.layers.batch_invariant import (
-            linear_batch_invariant, rms_norm_batch_invariant)
+        from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
         from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-        self._linear = linear_batch_invariant
+        from kernels.gemm import matmul
+
+        self._linear = matmul
         self._rms_norm = rms_norm_batch_invariant
         self._token_logprobs = compute_token_logprobs
         self._flash_attn = flash_attn_varlen_func

@@ -6,10 +6,14 @@ Settings and why:
 * in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the model object is reachable, so new
   weights are copied in memory (no safetensors save + reload) and forward hooks can be attached.
 * `spirl.vllm_patches.apply()` before the engine is built (see that module for why).
-* eager mode (no CUDA graphs / torch.compile fusions), prefix caching off (a cached prefix is
-  prefilled in a different split), bf16, a fixed seed.
-* `logprobs=0` with the default `raw_logprobs` mode: the logprob of each sampled token from the
-  raw logits, independent of temperature.
+* CUDA graphs without torch.compile (`CUDA_GRAPH_MODES`; default `full_decode_only`): every op
+  still runs the same kernel as in eager mode, so a row's bits cannot change (a graph replays the
+  recorded kernels; padding rows of a graph batch are separate rows of row-wise kernels).
+  Inductor is never used: it fuses ops into kernels the trainer does not run. `none` = eager.
+  See docs/vllm-0.26-forward-path.md.
+* prefix caching off (a cached prefix is prefilled in a different split), bf16, a fixed seed.
+* `logprobs=0`; `logprobs_mode` `processed_logprobs` (the logprob under the distribution that
+  sampled: after temperature) or `raw_logprobs` (of the raw logits, independent of temperature).
 """
 
 from __future__ import annotations
@@ -40,6 +44,23 @@ class VLLMEngineConfig:
     """Longest prompt + completion, in tokens."""
     require_batch_invariant: bool = True
     """Refuse to start without VLLM_BATCH_INVARIANT=1. Only the check-has-teeth test turns this off."""
+    cuda_graphs: str = "full_decode_only"
+    """One of CUDA_GRAPH_MODES: `full_decode_only` (graphs for pure-decode steps), `full`, `none` (eager)."""
+    logprobs_mode: str = "raw_logprobs"
+    """vLLM's logprobs_mode: `raw_logprobs` or `processed_logprobs` (after temperature / min-p)."""
+
+
+CUDA_GRAPH_MODES = {
+    # Graphs only for steps where every sequence decodes one token; prefills run eagerly.
+    "full_decode_only": dict(compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
+    # Graphs also for mixed prefill/decode steps up to the largest capture size.
+    "full": dict(compilation_config={"mode": 0, "cudagraph_mode": "FULL"}),
+    # Dynamo-split piecewise graphs, compiled with the eager backend (no Inductor) and vLLM's
+    # custom CUDA ops kept ("all"), so no op changes kernel.
+    "piecewise": dict(compilation_config={"mode": 3, "backend": "eager", "custom_ops": ["all"],
+                                          "cudagraph_mode": "PIECEWISE"}),
+    "none": dict(enforce_eager=True),
+}
 
 
 def prepare_environment(require_batch_invariant: bool = True) -> None:
@@ -59,11 +80,15 @@ class VLLMEngine:
 
         t0 = time.perf_counter()
         self.cfg = cfg
-        self.llm = LLM(model=cfg.model_dir, skip_tokenizer_init=True, enforce_eager=True,
-                       dtype="bfloat16", seed=cfg.seed, enable_prefix_caching=False,
-                       gpu_memory_utilization=cfg.gpu_memory_utilization,
-                       max_model_len=cfg.max_model_len)
-        log.info("vLLM engine ready in %.1fs (%s)", time.perf_counter() - t0, cfg.model_dir)
+        if cfg.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPH_MODES)}, got {cfg.cuda_graphs!r}")
+        self.llm = LLM(model=cfg.model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=cfg.seed,
+                       enable_prefix_caching=False, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                       max_model_len=cfg.max_model_len, logprobs_mode=cfg.logprobs_mode,
+                       **CUDA_GRAPH_MODES[cfg.cuda_graphs])
+        self.start_seconds = time.perf_counter() - t0
+        log.info("vLLM engine ready in %.1fs (%s, cuda graphs: %s)", self.start_seconds, cfg.model_dir,
+                 cfg.cuda_graphs)
 
     @property
     def model(self) -> torch.nn.Module:

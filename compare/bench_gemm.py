@@ -1,0 +1,78 @@
+"""The batch-invariant GEMM (kernels/gemm.py): bitwise check against vLLM's kernel, and tile tuning.
+
+    VLLM_BATCH_INVARIANT=1 python compare/bench_gemm.py [--shape Qwen3-1.7B] [--json OUT]
+
+For every linear of the shape (qkv, o, gate_up, down, lm_head) and row counts from decode (1, 8,
+64) to training (8192), runs every config of `kernels.gemm.CONFIGS` on the same random bf16
+inputs and checks its output is bitwise equal (torch.equal) to vLLM 0.26's
+`linear_batch_invariant`; then times each (triton.testing.do_bench, median) next to vLLM's kernel
+and cuBLAS (torch.mm, what a plain bf16 model runs), and prints the fastest config per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+ROWS = (1, 8, 64, 128, 256, 512, 2048, 8192)
+
+
+def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    from torchtitan_compat.config import SHAPES
+
+    s = SHAPES[shape]
+    d, hd, h, kv, inter = (s["hidden_size"], s["head_dim"], s["num_attention_heads"],
+                           s["num_key_value_heads"], s["intermediate_size"])
+    return {"qkv": ((h + 2 * kv) * hd, d), "o": (d, h * hd), "gate_up": (2 * inter, d),
+            "down": (d, inter), "lm_head": (151936, d)}
+
+
+def main(argv=None) -> int:
+    import triton
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
+
+    from kernels import gemm
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="Qwen3-1.7B")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    results, mismatches = [], 0
+    for name, (n, k) in layer_shapes(args.shape).items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = linear_batch_invariant(x, w)
+            row = {"layer": name, "M": m, "N": n, "K": k}
+            for cfg in gemm.CONFIGS:
+                y = gemm.matmul(x, w, cfg)
+                same = torch.equal(y, ref)
+                mismatches += not same
+                row[f"{cfg}_equal"] = same
+                row[f"{cfg}_us"] = triton.testing.do_bench(lambda: gemm.matmul(x, w, cfg), return_mode="median") * 1e3
+            row["picked"] = gemm.pick_config(m, n, k)
+            row["vllm_kernel_us"] = triton.testing.do_bench(lambda: linear_batch_invariant(x, w), return_mode="median") * 1e3
+            row["cublas_us"] = triton.testing.do_bench(lambda: torch.mm(x, w.t()), return_mode="median") * 1e3
+            best = min(gemm.CONFIGS, key=lambda c: row[f"{c}_us"])
+            row["best"] = best
+            results.append(row)
+            print(f"{name:8s} M={m:5d} N={n:6d} K={k:5d}  vllm {row['vllm_kernel_us']:8.1f}us  "
+                  f"best {best:10s} {row[best + '_us']:8.1f}us  picked {row['picked']:10s} "
+                  f"{row[row['picked'] + '_us']:8.1f}us  cublas {row['cublas_us']:8.1f}us  "
+                  f"all equal: {all(row[f'{c}_equal'] for c in gemm.CONFIGS)}", flush=True)
+    print(f"bitwise mismatches vs vLLM's kernel: {mismatches} of {len(results) * len(gemm.CONFIGS)} (config, shape) cases")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0 if mismatches == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Batch-invariant bf16 GEMM: vLLM's reduction order, tile shapes chosen for speed.
+
+    y = x @ w.T      x [M, K] bf16, w [N, K] bf16 (a Linear weight), y [M, N] bf16
+
+vLLM 0.26's batch-invariant linear (`matmul_persistent`) runs one Triton config for every M:
+128x128 tiles, BLOCK_K 64. Each output element is an fp32 accumulator that walks K in chunks of
+64 in increasing order, each chunk one `tl.dot` (wgmma instructions of k=16 on sm_90), then is
+rounded once to bf16. Those are the only things that fix the element's bits: which other rows or
+columns share its tile does not enter its arithmetic. So any tile shape (BLOCK_M, BLOCK_N), warp
+count or pipeline depth gives the same bits, as long as
+
+  * BLOCK_K is 64 and the K loop runs in the same order with the same zero-padded tail, and
+  * the dot lowers to the same instruction family (wgmma: BLOCK_M a multiple of 64, >= 4 warps).
+
+That is what this kernel keeps, and what `tests/gpu/test_gemm.py` proves bit for bit against
+vLLM's kernel over shapes and every config in `CONFIGS`. The config is then chosen by M: small
+tiles at decode sizes (one token per sequence: M = batch), where 128x128 tiles leave most SMs idle
+(16 tiles for a 2048-wide output), large tiles for the trainer's thousands of rows. Both the
+engine (through `spirl.vllm_patches`) and the trainer run this kernel, so their bits agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 64
+"""The K step of vLLM's bf16 config; it (not the tile shape) decides every element's bits."""
+
+
+@triton.jit
+def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+                      stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n  # grouped order: GROUP_M row tiles share each column tile in L2
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)  # clamp, as vLLM does: rows past M
+    offs_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)  # are computed and never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        k_left = K - ki * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    offs_cm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_cn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+
+# (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages); BLOCK_K is always 64.
+CONFIGS = {
+    "vllm": (128, 128, 8, 8, 3),      # vLLM 0.26's own bf16 config: the fastest from ~1k rows up
+    "m64_n32": (64, 32, 1, 4, 6),
+    "m64_n64": (64, 64, 1, 4, 5),
+    "m64_n128": (64, 128, 8, 4, 4),
+    "m128_n128": (128, 128, 8, 8, 4),
+    "m128_n256": (128, 256, 8, 8, 3),  # not picked; kept so the bitwise test covers wide tiles
+}
+
+
+def pick_config(m: int, n: int, k: int) -> str:
+    """Tile config for an [m, k] x [k, n] product; any choice gives the same bits (module doc).
+
+    From compare/bench_gemm.py on an H100 at Qwen3-1.7B's five linear shapes (median of
+    do_bench): decode row counts (1-32) are fastest with 64x128 tiles (up to 1.8x vLLM's
+    config); 33-256 rows with narrow tiles for outputs up to 4096 wide; from 512 rows on, vLLM's
+    own 128x128 config is within a few percent of the best."""
+    if m <= 32:
+        return "m64_n128"
+    if m <= 128:
+        return "m64_n32" if n <= 4096 else "m64_n128"
+    if m <= 256:
+        return "m64_n64" if n <= 4096 else "m128_n128"
+    if m <= 512:
+        return "m128_n128"
+    return "vllm"
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K].T -> [..., N] in x's dtype (bf16), bitwise equal to vLLM's
+    `linear_batch_invariant` for every row count."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise TypeError(f"kernels.gemm.matmul takes bf16 tensors, got {x.dtype} and {w.dtype}")
+    lead = x.shape[:-1]
+    a = x.reshape(-1, x.shape[-1])
+    m, k = a.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"matmul: x has K={k} but w is {list(w.shape)}")
+    c = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m == 0:
+        return c.reshape(*lead, n)
+    bm, bn, gm, warps, stages = CONFIGS[config or pick_config(m, n, k)]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _bi_matmul_kernel[grid](a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0),
+                            c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
+                            GROUP_M=gm, num_warps=warps, num_stages=stages)
+    return c.reshape(*lead, n)
