@@ -4,7 +4,7 @@
     python simple_rl.py --engine native --model random:tiny --dtype float32 --task synthetic --steps 2  # CPU
     python simple_rl.py --help
 
-Config: spirl/config.py. Loop: spirl/trainer.py. Logs: runs/<run-name>/ (tensorboard --logdir runs).
+Config: spirl/config.py. Run: spirl/run.py; step: spirl/trainer.py. Logs: runs/<run-name>/ (tensorboard --logdir runs).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from spirl.checkpoint import CheckpointError
     from spirl.tasks import TaskError
-    from spirl.trainer import ModelError, train
+    from spirl.run import ModelError, train
 
     try:
         train(cfg)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 
 DTYPES = ("bfloat16", "float32")
 ENGINES = ("vllm", "native")
+LOGPROBS_MODES = ("sampling", "raw")
 
 
 class ConfigError(ValueError):
@@ -41,7 +42,19 @@ class TrainConfig:
     max_new_tokens: int = 16
     """Longest completion, in tokens."""
     temperature: float = 1.0
-    """Sampling temperature (logprobs are always of the raw logits)."""
+    """Sampling temperature."""
+    logprobs: str = "sampling"
+    """Which distribution's logprobs the engine reports and the trainer trains on: `sampling` =
+    the one that sampled (logits / temperature, then min-p), so the PPO ratio and the KL are of the
+    policy that generated the tokens; `raw` = the raw logits, whatever the temperature."""
+    min_p: float = 0.0
+    """Min-p sampling (0 = off): tokens below min_p x the top token's probability are dropped. With
+    --logprobs sampling the trainer applies it too, with vLLM's own kernel."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off). Only with --logprobs raw, and then the trained distribution (raw
+    logits) is not the one that sampled (truncated): training is then off-policy. A warning is logged."""
+    top_p: float = 1.0
+    """Top-p (nucleus) sampling (1.0 = off). Only with --logprobs raw; off-policy like --top-k."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate to the frozen initial (reference) policy."""
     entropy_coef: float = 0.0
@@ -68,8 +81,17 @@ class TrainConfig:
     pipeline would have trained on; SPIRL itself trains on the sampled ids)."""
     updates_per_batch: int = 1
     """Optimizer steps per rollout batch: the batch is split into this many mini-batches."""
-    micro_batches: int = 1
-    """Gradient-accumulation micro-batches per optimizer step (bounds activation memory)."""
+    max_tokens_per_microbatch: int = 16384
+    """Gradient accumulation by tokens: each micro-batch packs whole sequences up to this many
+    tokens (a longer sequence gets a micro-batch of its own). Bounds activation memory."""
+    activation_checkpointing: int = 1
+    """1 = keep only each decoder layer's input during the forward and recompute the layer in the
+    backward (far less memory, ~1/3 more compute); 0 = keep every activation."""
+    gpu_memory_utilization: float = 0.35
+    """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer
+    gets the rest."""
+    eager: int = 0
+    """1 = run vLLM eagerly (no CUDA graphs): slower rollouts, same numbers."""
     checkpoint_every: int = 10
     """Write a checkpoint every N steps (and after the last step); 0 = only after the last step."""
     resume: str = ""
@@ -84,6 +106,10 @@ class TrainConfig:
     """Compute dtype of the trainer's forward (vLLM runs bf16; use float32 on CPU)."""
     max_grad_norm: float = 0.0
     """Clip the global gradient norm to this value; 0 = no clipping."""
+    eval_every: int = 0
+    """Evaluate on the task's held-out set every N steps (and before the first step); 0 = never."""
+    eval_pass_k: int = 0
+    """With --eval-every: also sample k completions per eval problem and log eval/pass@k; 0 = greedy only."""
 
     def validate(self) -> "TrainConfig":
         """Raise ConfigError (one line: field and fix) on the first unusable value."""
@@ -102,7 +128,19 @@ class TrainConfig:
             (bool(self.run_name) and "/" not in self.run_name, "run_name must be a non-empty name without '/'"),
             (self.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}"),
             (self.updates_per_batch >= 1, "updates_per_batch must be >= 1"),
-            (self.micro_batches >= 1, "micro_batches must be >= 1"),
+            (self.max_tokens_per_microbatch >= 1, "max_tokens_per_microbatch must be >= 1"),
+            (self.activation_checkpointing in (0, 1), "activation_checkpointing must be 0 or 1"),
+            (0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)"),
+            (self.eager in (0, 1), "eager must be 0 or 1"),
+            (self.logprobs in LOGPROBS_MODES, f"logprobs must be one of {', '.join(LOGPROBS_MODES)}"),
+            (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.logprobs == "raw" or (self.top_k == -1 and self.top_p == 1.0),
+             "top_k / top_p need --logprobs raw: the trainer cannot recompute vLLM's truncated "
+             "distribution bit for bit (with raw, training on truncated samples is off-policy)"),
+            (self.eval_every >= 0, "eval_every must be >= 0"),
+            (self.eval_pass_k >= 0, "eval_pass_k must be >= 0"),
             (self.checkpoint_every >= 0, "checkpoint_every must be >= 0"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              "device must be auto, cpu, cuda or cuda:N"),
@@ -116,11 +154,9 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(msg)
         n = self.prompts_per_step * self.group_size
-        per_update, rest = divmod(n, self.updates_per_batch)
-        if rest or per_update % self.micro_batches:
-            raise ConfigError(
-                f"prompts_per_step * group_size ({n}) must divide into updates_per_batch "
-                f"({self.updates_per_batch}) x micro_batches ({self.micro_batches}) equal parts")
+        if n % self.updates_per_batch:
+            raise ConfigError(f"prompts_per_step * group_size ({n}) must divide into updates_per_batch "
+                              f"({self.updates_per_batch}) equal mini-batches")
         if self.engine == "vllm" and self.dtype != "bfloat16":
             raise ConfigError("dtype must be bfloat16 with --engine vllm (vLLM runs bf16); use --engine native for float32")
         return self

@@ -16,7 +16,8 @@ Per step, in order:
   5. reference-policy logprobs (frozen copy of the initial weights);
   6. if every advantage is zero (all groups had equal rewards) there is no learning signal: the
      step is logged with `skipped_update=1` and no optimizer step is taken (nothing to sync);
-  7. updates_per_batch optimizer steps, each over one mini-batch split into micro_batches;
+  7. updates_per_batch optimizer steps, each over one mini-batch split into micro-batches of at
+     most max_tokens_per_microbatch tokens;
      a NaN/Inf loss stops the run before any gradient of it is applied (NonFiniteLossError);
   8. weight sync to the engine; metrics; checkpoint every checkpoint_every steps and at the end.
 """
@@ -35,13 +36,17 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt
-from .config import TrainConfig, to_dict
+from .config import TrainConfig
 from .engines.base import Sample
 from .loss import grpo_advantages, grpo_loss, pad
-from .metrics import MetricsLogger, weight_deltas
+from .metrics import weight_deltas
 from .multiturn import episode_metrics, run_episodes
-from .parity import ParityReport, compare_logprobs, sampled_logprobs, sampled_logprobs_and_entropy
+from .parity import (
+    ParityReport,
+    compare_logprobs,
+    sampled_logprobs,
+    sampled_logprobs_and_entropy,
+)
 
 log = logging.getLogger("spirl.trainer")
 
@@ -56,36 +61,7 @@ class NonFiniteLossError(RuntimeError):
     """The loss became NaN/Inf; the run stops with the last good checkpoint kept."""
 
 
-class ModelError(ValueError):
-    """--model is unusable; one line saying what to do."""
-
-
 # -- setup ------------------------------------------------------------------------------------
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_model(model: str, checkpoint_dir: str) -> Path:
-    """A local dir, an HF repo id (downloaded), or `random:<shape>` (written once, deterministic)."""
-    import weights
-
-    if model.startswith("random:"):
-        shape = model.split(":", 1)[1]
-        out = Path(checkpoint_dir) / "models" / f"random-{shape}"
-        if not (out / "config.json").is_file():
-            try:
-                weights.write_random_checkpoint(out, shape, seed=0, dtype=torch.float32, overwrite=True)
-            except weights.WeightsError as e:
-                raise ModelError(f"--model {model}: {e}") from None
-        return out
-    try:
-        return weights.resolve_model_dir(model)
-    except weights.WeightsError as e:
-        raise ModelError(f"--model: {e}") from None
 
 
 @dataclass
@@ -199,13 +175,25 @@ def check_parity(samples: list[Sample], trainer_lps, step: int, run_dir: Path, e
     raise ParityError(f"step {step}: {report.summary()} (report: {path})")
 
 
+def token_budget_slices(lengths: list[int], budget: int) -> list[slice]:
+    """Consecutive micro-batches of whole sequences, each at most `budget` tokens (a longer
+    sequence gets one of its own). The split depends only on the lengths, so it is reproducible."""
+    slices, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and used + n > budget:
+            slices.append(slice(start, i))
+            start, used = i, 0
+        used += n
+    slices.append(slice(start, len(lengths)))
+    return slices
+
+
 def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainConfig, device, times) -> dict:
-    """One optimizer step over `samples`, accumulated over cfg.micro_batches micro-batches."""
+    """One optimizer step over `samples`, accumulated over micro-batches of at most
+    cfg.max_tokens_per_microbatch tokens."""
     n = len(samples)
-    size = n // cfg.micro_batches
     sums: dict[str, float] = {}
-    for start in range(0, n, size):
-        sl = slice(start, start + size)
+    for sl in token_budget_slices([len(s.ids) for s in samples], cfg.max_tokens_per_microbatch):
         with timed(times, "forward"):
             lps, ent = sampled_logprobs_and_entropy(policy.model, samples[sl], device,
                                                        entropy_grad=cfg.entropy_coef > 0)
@@ -215,7 +203,7 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
                                 pad(ent)[0], cfg.entropy_coef)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(f"loss is {float(loss)}; stopping (the last checkpoint is kept)")
-        w = size / n  # micro-batch means, weighted, sum to the mini-batch mean
+        w = (sl.stop - sl.start) / n  # per-sequence means, weighted by sequences: the mini-batch mean
         with timed(times, "backward"):
             (loss * w).backward()
             policy.grads_to_masters()
@@ -309,53 +297,3 @@ def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, 
                       ("rollout", "forward", "backward", "optimizer", "weight_sync")}}
 
 
-# -- the run --------------------------------------------------------------------------------------
-
-
-def save_checkpoint(cfg: TrainConfig, policy: Policy, step: int, model_dir: Path) -> Path:
-    state = {"config": to_dict(cfg), "model_dir": str(model_dir)}
-    path = ckpt.save(Path(cfg.checkpoint_dir) / cfg.run_name, step, policy.masters, policy.optimizer, state)
-    log.info("checkpoint: %s", path)
-    return path
-
-
-def resume_into(policy: Policy, path: str, device) -> int:
-    state, masters, opt_state = ckpt.load(path, device)
-    with torch.no_grad():
-        for name, p in policy.masters.items():
-            p.copy_(masters[name])
-    policy.optimizer.load_state_dict(opt_state)
-    policy.push_masters_to_model()
-    ckpt.restore_rng(state)
-    log.info("resumed from %s at step %d", ckpt.resolve(path), state["step"])
-    return int(state["step"])
-
-
-def train(cfg: TrainConfig) -> list[dict]:
-    """Run cfg.steps GRPO steps; returns the per-step metrics (also logged)."""
-    from .tasks import get_task
-    from torchtitan_compat.tokenizer import load_tokenizer
-
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
-    model_dir = resolve_model(cfg.model, cfg.checkpoint_dir)
-    task = get_task(cfg.task, load_tokenizer(model_dir))
-    policy = build_policy(model_dir, cfg, device)
-    start = resume_into(policy, cfg.resume, device) if cfg.resume else 0
-    engine = build_engine(cfg, model_dir, policy)
-    sync_weights(engine, policy, cfg)  # the engine starts from the trainer's exact weights (matters on resume)
-    run_dir = Path(cfg.out_dir) / cfg.run_name
-    logger = MetricsLogger(run_dir, {"args": to_dict(cfg), "seed": cfg.seed, "model_dir": str(model_dir),
-                                     "device": str(device)})
-    history = []
-    try:
-        for step in range(start + 1, cfg.steps + 1):
-            scalars = run_step(step, cfg, task, engine, policy, device, run_dir)
-            logger.log_step(step, scalars, cfg.steps)
-            history.append(scalars)
-            if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                save_checkpoint(cfg, policy, step, model_dir)
-    finally:
-        logger.close()
-    return history

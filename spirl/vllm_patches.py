@@ -48,7 +48,9 @@ def apply() -> None:
 
 def _patch_residual_rms_norm() -> None:
     import vllm.model_executor.layers.layernorm as layernorm
-    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant as triton_rms_norm
+    from vllm.model_executor.layers.batch_invariant import (
+        rms_norm_batch_invariant as triton_rms_norm,
+    )
 
     def rms_norm_separate_residual_add(input, weight, eps=1e-6, residual=None):
         if residual is None:

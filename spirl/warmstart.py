@@ -49,11 +49,11 @@ def scripted_episode(env, prompt_ids: list[int], meta: dict, rng: random.Random)
 
 def warmstart(model_dir: Path, out: Path, steps: int, batch: int, lr: float, seed: int, device) -> list[float]:
     """Train on scripted calculator episodes; write the result to `out`. Returns the loss per step."""
+    from torchtitan_compat.tokenizer import load_tokenizer
     from weights_vllm_compat import load_model
 
     from .parity import sampled_logprobs
     from .tasks.calculator import CalculatorEnv
-    from torchtitan_compat.tokenizer import load_tokenizer
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.batch < 1 or args.lr <= 0:
         p.error("--steps and --batch must be >= 1 and --lr > 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-    from .trainer import ModelError, resolve_device, resolve_model
+    from .run import ModelError, resolve_device, resolve_model
 
     try:
         model_dir = resolve_model(args.model, args.checkpoint_dir)

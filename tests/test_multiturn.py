@@ -304,7 +304,7 @@ def _mt_cfg(ckpt, tmp: Path, **kw):
 
 
 def _scripted(monkeypatch, tok, break_turn: int | None = None):
-    from spirl import trainer
+    from spirl import run, trainer
 
     def build(cfg, model_dir, policy):
         engine = ScriptedEngine(policy.model, tok)
@@ -328,7 +328,7 @@ def _scripted(monkeypatch, tok, break_turn: int | None = None):
 
 def test_multi_turn_grpo_steps_with_parity_over_every_turn(tiny_ckpt, tok, tmp_path, monkeypatch):
     from compare.retokenization import main as detector_main
-    from spirl.trainer import train
+    from spirl.run import train
 
     _scripted(monkeypatch, tok)
     hist = train(_mt_cfg(tiny_ckpt, tmp_path))
@@ -348,11 +348,11 @@ def test_multi_turn_grpo_steps_with_parity_over_every_turn(tiny_ckpt, tok, tmp_p
 
 def test_multi_turn_parity_break_in_a_later_turn_is_caught(tiny_ckpt, tok, tmp_path, monkeypatch):
     """One ulp off in the *second* turn of one episode stops the run: parity covers every turn."""
-    from spirl import trainer
+    from spirl import run, trainer
 
     _scripted(monkeypatch, tok, break_turn=1)
     with pytest.raises(trainer.ParityError, match="different: 1"):
-        trainer.train(_mt_cfg(tiny_ckpt, tmp_path, steps=1))
+        run.train(_mt_cfg(tiny_ckpt, tmp_path, steps=1))
     report = json.loads((tmp_path / "runs" / "mt" / "parity_failure_step000001.json").read_text())
     assert report["sequence_index"] == 2 and report["loss_mask"][report["token_position"]]
 

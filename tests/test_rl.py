@@ -89,7 +89,7 @@ LAYERS = ["tok_embeddings", "layers.0", "layers.1", "norm", "output"]
 def _cfg(tiny_ckpt, tmp: Path, **kw) -> TrainConfig:
     base = dict(model=str(tiny_ckpt), engine="native", dtype="float32", device="cpu", task="synthetic",
                 steps=2, prompts_per_step=2, group_size=4, max_new_tokens=6, lr=1e-3,
-                kl_coef=0.1, entropy_coef=0.01, updates_per_batch=2, micro_batches=2,
+                kl_coef=0.1, entropy_coef=0.01, updates_per_batch=2, max_tokens_per_microbatch=40,
                 checkpoint_every=1, out_dir=str(tmp / "runs"), checkpoint_dir=str(tmp / "ckpt"), run_name="full")
     return TrainConfig(**{**base, **kw}).validate()
 
@@ -97,7 +97,7 @@ def _cfg(tiny_ckpt, tmp: Path, **kw) -> TrainConfig:
 @pytest.fixture(scope="module")
 def two_runs(tiny_ckpt, tmp_path_factory):
     """An uninterrupted 2-step run, and a run resumed from its step-1 checkpoint."""
-    from spirl.trainer import train
+    from spirl.run import train
 
     tmp = tmp_path_factory.mktemp("rl")
     full_cfg = _cfg(tiny_ckpt, tmp)
@@ -148,7 +148,7 @@ def test_all_zero_advantages_skip_update(tiny_ckpt, tmp_path):
     """A task whose reward is constant gives no learning signal: logged, no optimizer step."""
     from spirl import tasks
     from spirl.tasks.synthetic import SyntheticTask
-    from spirl.trainer import train
+    from spirl.run import train
 
     class Constant(SyntheticTask):
         def reward(self, completion_ids, meta):
@@ -161,7 +161,7 @@ def test_all_zero_advantages_skip_update(tiny_ckpt, tmp_path):
 
 def test_parity_break_stops_with_report_and_keeps_checkpoint(tiny_ckpt, tmp_path, monkeypatch):
     """One engine logprob off by one ulp: ParityError, a report file, no checkpoint written."""
-    from spirl import trainer
+    from spirl import run, trainer
 
     real = trainer.build_engine
 
@@ -180,19 +180,19 @@ def test_parity_break_stops_with_report_and_keeps_checkpoint(tiny_ckpt, tmp_path
 
     monkeypatch.setattr(trainer, "build_engine", flipping_engine)
     with pytest.raises(trainer.ParityError, match="different: 1"):
-        trainer.train(_cfg(tiny_ckpt, tmp_path, steps=1, max_new_tokens=2))
+        run.train(_cfg(tiny_ckpt, tmp_path, steps=1, max_new_tokens=2))
     report = tmp_path / "runs" / "full" / "parity_failure_step000001.json"
     assert report.is_file() and '"sequence_index": 3' in report.read_text()
     assert not (tmp_path / "ckpt" / "full").exists()
 
 
 def test_nan_loss_stops(tiny_ckpt, tmp_path, monkeypatch):
-    from spirl import trainer
+    from spirl import run, trainer
 
     real = trainer.grpo_loss
     monkeypatch.setattr(trainer, "grpo_loss", lambda *a, **kw: (real(*a, **kw)[0] * float("nan"), real(*a, **kw)[1]))
     with pytest.raises(trainer.NonFiniteLossError):
-        trainer.train(_cfg(tiny_ckpt, tmp_path, task="synthetic", steps=1, max_new_tokens=2))
+        run.train(_cfg(tiny_ckpt, tmp_path, task="synthetic", steps=1, max_new_tokens=2))
     assert not (tmp_path / "ckpt" / "full").exists()
 
 
