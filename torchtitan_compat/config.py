@@ -2,19 +2,32 @@
 
 torchtitan's `Qwen3ModelArgs` is the one model config of the project; this module only translates
 it to and from the Hugging Face `config.json` that checkpoints (and vLLM) read, and validates it.
+
+A config.json is read the way vLLM reads it, so that the trainer computes vLLM's math:
+transformers' own `Qwen3Config` parses it (vLLM >= 0.26 parses with transformers >= 5.5 too), so
+a field the file leaves out gets the default that both use, and every number comes from the
+parsed config. Two kinds of config.json exist: transformers 4.x writes a top-level `rope_theta`
+(and `rope_scaling`), 5.x writes `rope_parameters: {rope_type, rope_theta}`; both are accepted.
+
+What the model cannot compute exactly is refused with a one-line `ConfigError`: any RoPE other
+than plain RoPE, sliding-window or chunked attention, attention bias, mixture of experts,
+quantized weights, an activation other than SiLU. So are the fields whose default differs
+between transformers and vLLM (`_NO_SHARED_DEFAULT`) when config.json leaves them out.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 from torchtitan.models.qwen3 import Qwen3ModelArgs
+from transformers import Qwen3Config
 
 QWEN3_VOCAB_SIZE = 151936
 """Rows of Qwen3's embedding (the tokenizer uses 151669 of them; the rest is padding)."""
 
-# Real Qwen3 config.json values (Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B) plus a tiny test shape that
+# Real Qwen3 config.json values (Qwen/Qwen3-0.6B, -1.7B, -4B, -8B) plus a tiny test shape that
 # keeps the real vocabulary (so the real tokenizer's ids are valid) and Qwen3's head_dim of 128:
 # with head_dim 64, vLLM's FA3 gave a decode row that differs from the same row computed in a
 # prefill (measured on an H200), i.e. vLLM would not even agree with itself.
@@ -31,6 +44,14 @@ SHAPES: dict[str, dict] = {
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
     ),
+    "Qwen3-4B": dict(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    ),
+    "Qwen3-8B": dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
 }
 
 _COMMON = dict(
@@ -40,6 +61,46 @@ _COMMON = dict(
     rope_theta=1000000, sliding_window=None, use_cache=True, use_sliding_window=False,
     vocab_size=QWEN3_VOCAB_SIZE, torch_dtype="bfloat16",
 )
+
+_SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+"""Required although transformers has defaults for them: those are placeholder sizes (hidden 4096,
+32 layers, ...) that a checkpoint omitting them is very unlikely to have been trained with."""
+
+_NO_SHARED_DEFAULT = {
+    "head_dim": "transformers' Qwen3Config defaults it to 128, vLLM's Qwen3 code to hidden_size // num_attention_heads",
+    "rope_theta": "transformers' Qwen3Config defaults it to 10000, vLLM's Qwen3 code to 1000000",
+}
+"""Required: the two readers' defaults differ, so a missing value has no single meaning. Every
+other field the model depends on has one default in both (transformers' Qwen3Config 4.51+ and
+5.x, read as-is by vLLM): num_key_value_heads 32, rms_norm_eps 1e-6, tie_word_embeddings false,
+hidden_act silu, attention_bias false, max_position_embeddings 32768 (rope table length only)."""
+
+_MOE = "mixture of experts; use a dense Qwen3 checkpoint"
+_QUANTIZED = "quantized weights; use an unquantized checkpoint"
+_MUST_BE_UNSET = {
+    "quantization_config": _QUANTIZED,
+    "compression_config": _QUANTIZED,
+    "num_experts": _MOE,
+    "num_experts_per_tok": _MOE,
+    "moe_intermediate_size": _MOE,
+    "shared_expert_intermediate_size": _MOE,
+    "num_local_experts": _MOE,
+    "n_routed_experts": _MOE,
+    "dual_chunk_attention_config": "dual-chunk attention is not supported; remove it",
+    "attention_chunk_size": "chunked local attention is not supported; remove it",
+}
+"""Raw config.json fields (absent, null, 0 or empty are fine) for math the model does not have."""
+
+_ONLY_VALUE = {
+    "hidden_act": ("silu", "the MLP is SwiGLU"),
+    "attention_bias": (False, "q/k/v/o projections have no bias"),
+    "use_sliding_window": (False, "attention is full causal attention"),
+    "attention_dropout": (0.0, "attention has no dropout"),
+    "is_causal": (True, "attention is causal"),
+}
+"""Parsed fields -> (the one value the model computes, why). vLLM reads `is_causal` (default true)."""
+
+_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
 
 class ConfigError(ValueError):
@@ -59,34 +120,113 @@ def hf_config_for_shape(shape: str, num_layers: int | None = None) -> dict:
     return cfg
 
 
-def model_args_from_hf_config(cfg: dict) -> Qwen3ModelArgs:
-    """torchtitan args from an HF Qwen3 config dict; raises ConfigError on anything unsupported."""
+def _short(value) -> str:
+    """A config value as config.json spells it, cut to fit in a one-line message."""
+    s = json.dumps(value, default=repr)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _check_raw(cfg: dict) -> None:
+    """Refusals decided on config.json as written, before transformers fills in defaults."""
     if cfg.get("model_type") != "qwen3":
         raise ConfigError(
             f"config.json has model_type={cfg.get('model_type')!r}; only dense 'qwen3' is supported"
         )
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "vocab_size") if k not in cfg]
+    archs, causal_lm = cfg.get("architectures"), ["Qwen3ForCausalLM"]  # vLLM picks its model class by this
+    if archs not in (None, causal_lm):
+        raise ConfigError(f"config.json has architectures={_short(archs)}; only {_short(causal_lm)} is supported")
+    missing = [k for k in _SHAPE_FIELDS if cfg.get(k) is None]
     if missing:
-        raise ConfigError(f"config.json lacks {', '.join(missing)}")
-    if cfg.get("rope_scaling"):
-        raise ConfigError("config.json sets rope_scaling; only plain RoPE is supported")
-    if cfg.get("attention_bias"):
-        raise ConfigError("config.json sets attention_bias; Qwen3 has none")
-    n_heads = cfg["num_attention_heads"]
+        raise ConfigError(f"config.json lacks {', '.join(missing)}; set it explicitly")
+    if cfg.get("head_dim") is None:
+        raise ConfigError(f"config.json lacks head_dim ({_NO_SHARED_DEFAULT['head_dim']}); set it explicitly")
+    for field, why in _MUST_BE_UNSET.items():
+        if cfg.get(field) not in (None, 0, False, {}, []):
+            raise ConfigError(f"config.json sets {field}={_short(cfg[field])}: {why}")
+    _check_rope(cfg)
+
+
+def _check_rope(cfg: dict) -> None:
+    """Plain RoPE only, with one explicit rope_theta wherever the file puts it."""
+    thetas = {"rope_theta": cfg["rope_theta"]} if "rope_theta" in cfg else {}
+    factors = {"partial_rotary_factor": cfg["partial_rotary_factor"]} if "partial_rotary_factor" in cfg else {}
+    for field in ("rope_parameters", "rope_scaling"):  # 5.x name, 4.x name
+        params = cfg.get(field)
+        if params in (None, {}):
+            continue
+        if not isinstance(params, dict):
+            raise ConfigError(f"config.json has {field}={_short(params)}; expected an object or null")
+        for key in ("rope_type", "type"):
+            if params.get(key, "default") != "default":
+                raise ConfigError(f"config.json sets {field}.{key}={_short(params[key])}; only plain RoPE "
+                                  '(rope_type "default") is supported: use a checkpoint without RoPE scaling')
+        unknown = sorted(set(params) - _ROPE_KEYS)
+        if unknown:
+            raise ConfigError(f"config.json {field} sets {', '.join(unknown)}; only plain RoPE "
+                              '(rope_type "default", rope_theta) is supported: remove them')
+        thetas.update({f"{field}.rope_theta": params["rope_theta"]} if "rope_theta" in params else {})
+        factors.update({f"{field}.partial_rotary_factor": params["partial_rotary_factor"]}
+                       if "partial_rotary_factor" in params else {})
+    for where, factor in factors.items():
+        if factor != 1:
+            raise ConfigError(f"config.json sets {where}={_short(factor)}; only full rotary (1.0) is supported")
+    if not thetas:
+        raise ConfigError(f"config.json sets no rope_theta ({_NO_SHARED_DEFAULT['rope_theta']}); "
+                          "set rope_parameters.rope_theta explicitly")
+    for where, theta in thetas.items():
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise ConfigError(f"config.json has {where}={_short(theta)}; it must be a positive number")
+    if len({float(t) for t in thetas.values()}) > 1:
+        shown = ", ".join(f"{k}={v}" for k, v in thetas.items())
+        raise ConfigError(f"config.json has conflicting {shown} (transformers 4.x and 5.x read different ones); "
+                          "keep one")
+
+
+def parse_hf_config(cfg: dict) -> Qwen3Config:
+    """transformers' `Qwen3Config` of a config.json dict, after the refusals of `_check_raw`."""
+    _check_raw(cfg)
+    try:  # the parser normalizes nested dicts in place: give it a copy
+        hf = Qwen3Config.from_dict(copy.deepcopy(cfg))
+    except Exception as e:  # noqa: BLE001 - strict-dataclass validation errors are not ValueErrors
+        raise ConfigError(f"transformers cannot parse config.json: {' '.join(str(e).split())[:200]}") from None
+    for field, (only, why) in _ONLY_VALUE.items():
+        value = getattr(hf, field, only)
+        if value != only:
+            raise ConfigError(f"config.json sets {field}={_short(value)}, but only {_short(only)} is supported "
+                              f"({why})")
+    other = sorted(set(getattr(hf, "layer_types", None) or ()) - {"full_attention"})  # 4.51 has none
+    if other:
+        raise ConfigError(f"config.json layer_types contains {', '.join(map(_short, other))}; only "
+                          '"full_attention" is supported')
+    if hf.num_key_value_heads < 1 or hf.num_attention_heads % hf.num_key_value_heads:
+        default = "" if "num_key_value_heads" in cfg else " (transformers' default; set it explicitly)"
+        raise ConfigError(f"num_attention_heads={hf.num_attention_heads} is not a multiple of "
+                          f"num_key_value_heads={hf.num_key_value_heads}{default}")
+    return hf
+
+
+def _rope_theta(hf: Qwen3Config) -> float:
+    """transformers >= 5 keeps rope_theta in `rope_parameters`, 4.x as a top-level attribute."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(hf, "rope_theta", None)))
+
+
+def model_args_from_hf_config(cfg: dict) -> Qwen3ModelArgs:
+    """torchtitan args from an HF Qwen3 config dict; raises ConfigError on anything unsupported."""
+    hf = parse_hf_config(cfg)
     return Qwen3ModelArgs(
-        dim=cfg["hidden_size"],
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads", n_heads),
-        vocab_size=cfg["vocab_size"],
-        head_dim=cfg.get("head_dim", cfg["hidden_size"] // n_heads),
-        hidden_dim=cfg["intermediate_size"],
-        norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", 1000000),
+        dim=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        n_heads=hf.num_attention_heads,
+        n_kv_heads=hf.num_key_value_heads,
+        vocab_size=hf.vocab_size,
+        head_dim=hf.head_dim,
+        hidden_dim=hf.intermediate_size,
+        norm_eps=hf.rms_norm_eps,
+        rope_theta=_rope_theta(hf),
         qk_norm=True,
-        max_seq_len=cfg.get("max_position_embeddings", 40960),
-        enable_weight_tying=bool(cfg.get("tie_word_embeddings", False)),
+        max_seq_len=hf.max_position_embeddings,
+        enable_weight_tying=bool(hf.tie_word_embeddings),
     )
 
 
@@ -97,6 +237,8 @@ def load_hf_config(model_dir: str | Path) -> dict:
         raise ConfigError(f"model directory {model_dir} does not exist")
     if not path.is_file():
         raise ConfigError(f"{path} not found; is {model_dir} a Hugging Face checkpoint directory?")
+    if (Path(model_dir) / "hf_quant_config.json").is_file():  # vLLM reads quantization from here too
+        raise ConfigError(f"{model_dir} has hf_quant_config.json (quantized weights); use an unquantized checkpoint")
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
