@@ -1,0 +1,1 @@
+"""Triton kernels (the lowest layer: imports only torch, triton and the standard library)."""
