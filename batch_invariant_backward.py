@@ -6,8 +6,17 @@ trainer/rollout parity depends on - and whose backward is written out in plain P
 
 Every backward is deterministic: dense matmuls and reductions over fixed shapes in a fixed
 order, no atomics, no scatter/index_add with duplicate indices. Two identical backward passes
-give bitwise-identical gradients. Gradients are computed in float32 (float64 when the inputs
-are float64, for gradient checks) and cast back to the dtype of the input they belong to.
+give bitwise-identical gradients.
+
+Precision and speed: on CUDA with bf16/fp16 activations (training), every GEMM of a backward
+(dX, dW of each linear and of lm_head) is a bf16 tensor-core GEMM with fp32 accumulation
+(cuBLAS: a fixed algorithm for fixed shapes, hence fixed bits), and the attention backward is
+the Triton kernel of `kernels/attention_backward.py` (separate dK/dV and dQ passes, no atomics),
+and the row-wise backwards (RMSNorm, SiLU-and-mul, rotary, the logprob/entropy over the vocabulary)
+are single-pass Triton kernels (`kernels/pointwise_backward.py`, `kernels/logprob_backward.py`)
+doing the math written in each Function's docstring in fp32 registers. Elsewhere (CPU, float32/float64 models, the
+gradient checks) every backward is computed in float32 (float64 for float64 inputs). Gradients
+are cast back to the dtype of the input they belong to.
 
 Public functional API (what the model calls):
     rms_norm(x, weight, eps, backend)
@@ -16,6 +25,7 @@ Public functional API (what the model calls):
     rotary(positions, q, k, cos_sin_cache, backend) -> (q_rot, k_rot)
     attention(q, k, v, cu_seqlens, max_seqlen, scale, backend, block=128) -> out
     token_logprobs(logits, ids, backend) -> float32 [T]
+    lm_head_logprobs(h, weight, ids, backend, temperature, min_p, entropy) -> (float32 [N], [N] | None)
 
 When no input needs a gradient (or under `torch.no_grad()`), these call the backend directly and
 save nothing.
@@ -65,6 +75,23 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def on_tensor_cores(x: torch.Tensor) -> bool:
+    """Training precision on a GPU: the backward's GEMMs run as bf16/fp16 tensor-core GEMMs."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b returned in out_dtype. Tensor-core inputs: one bf16/fp16 GEMM with fp32 accumulation
+    (cuBLAS; `out_dtype=float32` keeps the fp32 accumulator unrounded). Otherwise: in the compute
+    dtype (float32, or float64 for float64 inputs)."""
+    if on_tensor_cores(a):
+        if out_dtype == torch.float32:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b).to(out_dtype)
+    cdt = compute_dtype(a.dtype)
+    return torch.mm(a.to(cdt), b.to(cdt)).to(out_dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # RMSNorm
 # --------------------------------------------------------------------------------------------
@@ -91,13 +118,21 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
+        if on_tensor_cores(x):  # one fused pass (kernels.pointwise_backward), same math
+            from kernels.pointwise_backward import rms_norm_backward
+
+            dx, dw = rms_norm_backward(x, weight, grad_out, ctx.eps)
+            return dx, dw.to(weight.dtype), None, None
         cdt = compute_dtype(x.dtype)
         xf, wf, g = x.to(cdt), weight.to(cdt), grad_out.to(cdt)
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        n = x.shape[-1]
+        # sum / n, not .mean(): vLLM's batch-invariant mode reroutes aten mean.dim to a slower
+        # Triton kernel in the engine's process; the math is the same.
+        r = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) / n + ctx.eps)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             gw = g * wf
-            dx = r * gw - xf * r.pow(3) * (gw * xf).mean(-1, keepdim=True)
+            dx = r * gw - xf * r.pow(3) * ((gw * xf).sum(-1, keepdim=True) / n)
             dx = dx.to(x.dtype)
         if ctx.needs_input_grad[1]:
             dw = (g * xf * r).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
@@ -135,6 +170,10 @@ class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
+        if on_tensor_cores(x):  # one fused pass (kernels.pointwise_backward), same math
+            from kernels.pointwise_backward import swiglu_backward
+
+            return swiglu_backward(x, grad_out), None
         cdt = compute_dtype(x.dtype)
         a, b = x.to(cdt).chunk(2, dim=-1)
         g = grad_out.to(cdt)
@@ -158,8 +197,11 @@ def silu_and_mul(x, backend):
 
 def _weight_grad(g2: torch.Tensor, x2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """dW = g2^T x2 ([N, T] @ [T, K]) accumulated in float32 (float64 for float64), cast to
-    out_dtype. Formed in fixed chunks of output rows so the upcast copy of g2 stays bounded;
-    each element's reduction over T is one matmul, so the chunking does not change the math."""
+    out_dtype. Tensor-core inputs: one bf16 GEMM. Otherwise formed in fixed chunks of output rows
+    so the upcast copy of g2 stays bounded; each element's reduction over T is one matmul, so the
+    chunking does not change the math."""
+    if on_tensor_cores(g2):
+        return _mm(g2.t(), x2, out_dtype)
     cdt = compute_dtype(g2.dtype)
     xc = x2.to(cdt)
     n_out = g2.shape[1]
@@ -178,6 +220,7 @@ class LinearFunction(torch.autograd.Function):
     Backward (leading dims of x and g flattened to rows):
         dx = g W
         dW = g^T x   (accumulated in float32 for low-precision inputs, then cast to W's dtype)
+    On a GPU in bf16/fp16 both are tensor-core GEMMs with fp32 accumulation (`_mm`).
     """
 
     @staticmethod
@@ -192,7 +235,7 @@ class LinearFunction(torch.autograd.Function):
         g2 = grad_out.reshape(-1, weight.shape[0])
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.matmul(g2, weight).reshape(x.shape).to(x.dtype)
+            dx = _mm(g2, weight, x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             dw = _weight_grad(g2, x.reshape(-1, x.shape[-1]), weight.dtype)
         return dx, dw, None
@@ -246,6 +289,14 @@ class RotaryFunction(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k):
         positions, cos_sin_cache = ctx.saved_tensors
         dq = dk = None
+        if _fused_rotary(grad_q if grad_q is not None else grad_k, ctx.q_dtype):
+            from kernels.pointwise_backward import rotary_backward
+
+            if ctx.needs_input_grad[1] and grad_q is not None:
+                dq = rotary_backward(grad_q, positions, cos_sin_cache, ctx.q_dtype)
+            if ctx.needs_input_grad[2] and grad_k is not None:
+                dk = rotary_backward(grad_k, positions, cos_sin_cache, ctx.k_dtype)
+            return None, dq, dk, None, None
         if ctx.needs_input_grad[1] and grad_q is not None:
             cos, sin = _cos_sin(cos_sin_cache, positions, ctx.q_dtype)
             dq = _inverse_rotate_neox(grad_q.to(cos.dtype), cos, sin).to(ctx.q_dtype)
@@ -253,6 +304,12 @@ class RotaryFunction(torch.autograd.Function):
             cos, sin = _cos_sin(cos_sin_cache, positions, ctx.k_dtype)
             dk = _inverse_rotate_neox(grad_k.to(cos.dtype), cos, sin).to(ctx.k_dtype)
         return None, dq, dk, None, None
+
+
+def _fused_rotary(grad: torch.Tensor, dtype: torch.dtype) -> bool:
+    """The Triton rotary backward runs: a GPU, training precision, a power-of-two half head."""
+    half = grad.shape[-1] // 2
+    return grad.is_cuda and dtype in (torch.bfloat16, torch.float16) and half >= 1 and half & (half - 1) == 0
 
 
 def _rotary_on_copies(positions, q, k, cos_sin_cache, backend):
@@ -326,18 +383,26 @@ class AttentionFunction(torch.autograd.Function):
         dK += scale * dS^T Q_blk
     then dK, dV of the Hq/Hk query heads sharing a kv head are summed. Accumulation is in
     float32 (float64 for float64 inputs).
+    On a GPU in bf16/fp16 with a head dim it is tuned for, the same math runs fused in Triton
+    (`kernels.attention_backward`: tensor cores, fp32 accumulation, no atomics, one writer per
+    output element); the loop above is the reference for everything else.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, backend, block):
         out, lse = backend.attention(q, k, v, cu_seqlens, max_seqlen, scale)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.scale, ctx.block = scale, block
+        ctx.scale, ctx.block, ctx.max_seqlen = scale, block, max_seqlen
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        if fused_attention_backward_supported(q):
+            from kernels.attention_backward import attention_backward
+
+            dq, dk, dv = attention_backward(q, k, v, out, grad_out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
+            return dq, dk, dv, None, None, None, None, None
         cdt = compute_dtype(q.dtype)
         n_kv = k.shape[1]
         n_rep = q.shape[1] // n_kv
@@ -361,6 +426,15 @@ class AttentionFunction(torch.autograd.Function):
             dk[start:end] = _sum_head_groups(dk_s, n_kv).transpose(0, 1).to(k.dtype)
             dv[start:end] = _sum_head_groups(dv_s, n_kv).transpose(0, 1).to(v.dtype)
         return dq, dk, dv, None, None, None, None, None
+
+
+def fused_attention_backward_supported(q: torch.Tensor) -> bool:
+    """The Triton backward runs: tensor-core dtype on a GPU, and a head dim it has a config for."""
+    if not on_tensor_cores(q):
+        return False
+    from kernels.attention_backward import CONFIGS
+
+    return q.shape[-1] in CONFIGS
 
 
 def attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, backend, block: int = DEFAULT_BLOCK):
@@ -405,3 +479,135 @@ def token_logprobs(logits, ids, backend):
     if not _needs_grad(logits):
         return backend.token_logprobs(logits, ids)
     return TokenLogprobsFunction.apply(logits, ids, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# lm_head + sampling transform + token log-probabilities, fused and chunked over rows
+# --------------------------------------------------------------------------------------------
+
+LOGITS_CHUNK_ELEMENTS = 1 << 28
+"""Logit elements per chunk of rows (bf16: 512 MiB; ~1770 rows at Qwen3's vocabulary): bounds the
+[rows, vocab] temporaries of lm_head_logprobs. Each row's numbers do not depend on the chunking (every op is row-wise)."""
+
+
+def _row_chunks(n_rows: int, vocab: int) -> list[slice]:
+    step = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
+    return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+
+
+def _log_softmax_and_probs(z: torch.Tensor):
+    """(log p, p) of softmax(z) in the compute dtype. Written with logsumexp rather than aten
+    log_softmax (which vLLM's batch-invariant mode reroutes to a slower Triton kernel)."""
+    zf = z.to(compute_dtype(z.dtype))
+    logp = zf - torch.logsumexp(zf, dim=-1, keepdim=True)
+    return logp, logp.exp()
+
+
+def _entropy(logp: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """-sum_j p_j log p_j per row; entries with p = 0 (min-p's -inf logits) contribute 0."""
+    return -torch.where(p > 0, p * logp, 0.0).sum(-1)
+
+
+def _chunk_forward(h, weight, ids, temperature, min_p, backend):
+    return backend.sampling_logits(backend.linear(h, weight), temperature, min_p)
+
+
+def _entropy_of(z: torch.Tensor) -> torch.Tensor:
+    """Entropy per row of softmax(z): one Triton pass per row on a GPU (row-wise, so the same bits
+    whatever the chunking), PyTorch elsewhere."""
+    if on_tensor_cores(z):
+        from kernels.logprob_backward import entropy
+
+        return entropy(z)
+    return _entropy(*_log_softmax_and_probs(z))
+
+
+def _lm_head_logprobs_forward(h, weight, ids, temperature, min_p, want_entropy, backend):
+    lps, ents = [], []
+    for sl in _row_chunks(h.shape[0], weight.shape[0]):
+        z = _chunk_forward(h[sl], weight, ids[sl], temperature, min_p, backend)
+        lps.append(backend.token_logprobs(z, ids[sl]))
+        if want_entropy:
+            ents.append(_entropy_of(z))
+    lp = torch.cat(lps) if lps else h.new_empty(0, dtype=torch.float32)
+    ent = (torch.cat(ents) if ents else lp.new_empty(0)) if want_entropy else None
+    return lp, ent
+
+
+class LMHeadLogprobsFunction(torch.autograd.Function):
+    """(lp, H) = log-probabilities of `ids` (and entropies) under the sampling distribution,
+    straight from the final hidden states h [N, K] and lm_head W [V, K], in chunks of rows.
+
+    Forward, per chunk c (every op the backend's, so lp is bitwise what the sampler reports):
+        logits_c = backend.linear(h_c, W)                      [rows, V], activation dtype
+        z_c      = backend.sampling_logits(logits_c, T, min_p)  logits / T, then min-p
+        lp_c     = backend.token_logprobs(z_c, ids_c)          float32
+        H_c      = -sum_j p_j log p_j,  p = softmax(z_c)        float32 (when asked for)
+    Only h, W and ids are saved: the backward recomputes each chunk, so no [N, V] tensor ever
+    exists (at 16k rows x 152k vocab that would be 10 GB in float32).
+    Backward, per chunk, with incoming gradients g (of lp) and e (of H), in float32:
+        log p = z - logsumexp(z),  p = exp(log p)
+        dz = g * (onehot(ids) - p) - e * p * (log p + H)    (entries with p = 0 get 0)
+        dlogits = dz / T      (the temperature's derivative; min-p's mask is piecewise constant
+                               and the bf16 rounding of z is passed straight through)
+        dh_c = dlogits W,   dW += dlogits^T h_c
+    The GEMMs are tensor-core GEMMs on a GPU (`_mm`); dW is accumulated in float32 over the
+    chunks in chunk order and rounded once to W's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, ids, temperature, min_p, want_entropy, backend):
+        lp, ent = _lm_head_logprobs_forward(h, weight, ids, temperature, min_p, want_entropy, backend)
+        ctx.save_for_backward(h, weight, ids)
+        ctx.temperature, ctx.min_p, ctx.backend = temperature, min_p, backend
+        ctx.set_materialize_grads(False)  # an unused output (the entropy of a metric) costs nothing
+        if ent is None:
+            return lp
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent=None):
+        h, weight, ids = ctx.saved_tensors
+        cdt = compute_dtype(h.dtype)
+        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if ctx.needs_input_grad[1] else None
+        for sl in _row_chunks(h.shape[0], weight.shape[0]):
+            z = _chunk_forward(h[sl], weight, ids[sl], ctx.temperature, ctx.min_p, ctx.backend)
+            if on_tensor_cores(z):  # the same math in one Triton pass per row
+                from kernels.logprob_backward import logprob_backward
+
+                dlogits = logprob_backward(z, ids[sl], None if grad_lp is None else grad_lp[sl],
+                                           None if grad_ent is None else grad_ent[sl], 1.0 / ctx.temperature)
+                _accumulate_lm_head_grads(dlogits, h, weight, sl, dh, dw)
+                continue
+            logp, p = _log_softmax_and_probs(z)
+            if grad_lp is None:
+                dz = torch.zeros_like(p)
+            else:
+                dz = p * (-grad_lp[sl].to(cdt))[:, None]
+                dz.scatter_add_(-1, ids[sl, None], grad_lp[sl, None].to(cdt))  # one index per row
+            if grad_ent is not None:
+                ent = _entropy(logp, p)
+                dz -= grad_ent[sl].to(cdt)[:, None] * torch.where(p > 0, p * (logp + ent[:, None]), 0.0)
+            if ctx.temperature != 1.0:
+                dz /= ctx.temperature
+            _accumulate_lm_head_grads(dz.to(h.dtype), h, weight, sl, dh, dw)
+        return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None, None
+
+
+def _accumulate_lm_head_grads(dlogits, h, weight, sl, dh, dw) -> None:
+    """dh[sl] = dlogits W;  dw += dlogits^T h[sl] (float32), for one chunk of rows."""
+    if dh is not None:
+        dh[sl] = _mm(dlogits, weight, h.dtype)
+    if dw is not None:
+        dw += _mm(dlogits.t(), h[sl], dw.dtype)
+
+
+def lm_head_logprobs(h, weight, ids, backend, temperature: float = 1.0, min_p: float = 0.0,
+                     entropy: bool = False):
+    """float32 log-probabilities [N] of ids [N] under softmax(sampling_logits(h W^T)), and the
+    entropies [N] of those distributions when `entropy` (else None). See LMHeadLogprobsFunction."""
+    if not _needs_grad(h, weight):
+        return _lm_head_logprobs_forward(h, weight, ids, temperature, min_p, entropy, backend)
+    out = LMHeadLogprobsFunction.apply(h, weight, ids, temperature, min_p, entropy, backend)
+    return out if entropy else (out, None)

@@ -14,7 +14,7 @@ import torch
 
 from spirl.engines.base import Sample
 from spirl.engines.vllm_engine import VLLMEngineConfig
-from spirl.parity import ParityReport, compare_logprobs, sampled_logprobs
+from spirl.parity import RAW, ParityReport, SamplingDist, compare_logprobs, sampled_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ class HarnessConfig:
     """Run even without VLLM_BATCH_INVARIANT=1 (only to show that the check then fails)."""
     cuda_graphs: str = VLLMEngineConfig.cuda_graphs
     """The engine's CUDA-graph mode (spirl.engines.vllm_engine.CUDA_GRAPH_MODES)."""
+    logprobs: str = "sampling"
+    """Which logprobs are compared: `sampling` (vLLM's processed_logprobs: logits / T, then min-p,
+    and the trainer applies the same with vLLM's kernels) or `raw` (the raw logits')."""
 
 
 class SwappedOpBackend:
@@ -61,7 +64,8 @@ class ParityHarness:
         self.cfg = cfg
         self.engine = VLLMEngine(VLLMEngineConfig(
             cfg.model_dir, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
-            require_batch_invariant=not cfg.allow_batch_variant, cuda_graphs=cfg.cuda_graphs))
+            require_batch_invariant=not cfg.allow_batch_variant, cuda_graphs=cfg.cuda_graphs,
+            logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs"))
         backend = cfg.backend
         if backend == "vllm":
             from torchtitan_compat.vllm_ops import VLLMBackend
@@ -73,23 +77,29 @@ class ParityHarness:
             self.model.backend = SwappedOpBackend(self.model.backend, cfg.swap_op)
         log.info("trainer kernel backend: %s", self.model.backend.name)
 
-    def generate(self, prompts, n, max_tokens, temperature, seed) -> list[Sample]:
+    def generate(self, prompts, n, max_tokens, temperature, seed, min_p: float = 0.0) -> list[Sample]:
         return self.engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature,
-                                    seed=seed)
+                                    seed=seed, min_p=min_p)
+
+    def dist(self, temperature: float, min_p: float = 0.0) -> SamplingDist:
+        """The distribution the engine's logprobs are of, for samples drawn with these settings."""
+        return SamplingDist(temperature, min_p) if self.cfg.logprobs == "sampling" else RAW
 
     @torch.no_grad()
-    def trainer_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+    def trainer_logprobs(self, samples: list[Sample], dist: SamplingDist = RAW) -> list[torch.Tensor]:
         out, chunk, size = [], [], 0
         for s in samples:
             if chunk and size + len(s.ids) > self.cfg.max_packed_tokens:
-                out += sampled_logprobs(self.model, chunk, "cuda")
+                out += sampled_logprobs(self.model, chunk, "cuda", dist)
                 chunk, size = [], 0
             chunk.append(s)
             size += len(s.ids)
         if chunk:
-            out += sampled_logprobs(self.model, chunk, "cuda")
+            out += sampled_logprobs(self.model, chunk, "cuda", dist)
         return [t.cpu() for t in out]
 
-    def compare(self, samples: list[Sample]) -> tuple[ParityReport, list[torch.Tensor]]:
-        trainer = self.trainer_logprobs(samples)
+    def compare(self, samples: list[Sample], temperature: float = 1.0, min_p: float = 0.0
+                ) -> tuple[ParityReport, list[torch.Tensor]]:
+        """Engine vs trainer logprobs of samples drawn with `temperature` and `min_p`."""
+        trainer = self.trainer_logprobs(samples, self.dist(temperature, min_p))
         return compare_logprobs([s.logprobs for s in samples], trainer), trainer

@@ -8,10 +8,12 @@ Cases (one vLLM engine, one trainer model, in one process):
   batch64 64 prompts of 1..2000 tokens, n=2, 64 new tokens, T=1.0 and T=0.7
   odd39   13 prompts of 1..2500 tokens, n=3 (39 sequences: not a CUDA-graph capture size,
           so decode steps run padded graphs), 96 new tokens, T=1.3
+  minp    16 prompts of 1..1500 tokens, n=2, 64 new tokens, T=0.9 with min_p=0.05
   alone    the first 3 prompts of batch8 again, one per call (same seeds): same completions
            and logprobs as inside the batch (vLLM's own batch invariance)
-Prints one line per case with the tokens compared and different; exit 0 only if every case
-compared > 0 tokens and found 0 different.
+Logprobs are those of the distribution that sampled (vLLM's processed_logprobs: logits / T, then
+min-p) unless --logprobs raw. Prints one line per case with the tokens compared and different;
+exit 0 only if every case compared > 0 tokens and found 0 different.
 """
 
 from __future__ import annotations
@@ -51,17 +53,20 @@ def cases(quick: bool):
         ("batch64_T1.0", spread(64, 2000, 2), 2, 64 // scale, 1.0),
         ("batch64_T0.7", spread(64, 2000, 3), 2, 64 // scale, 0.7),
         ("odd39_T1.3", spread(13, 2500, 4), 3, 96 // scale, 1.3),
+        ("minp_T0.9", spread(16, 1500, 5), 2, 64 // scale, 0.9, 0.05),
     ]
 
 
 def run(harness: ParityHarness, quick: bool) -> list[dict]:
     results = []
-    for i, (name, lengths, n, max_tokens, temp) in enumerate(cases(quick)):
+    for i, (name, lengths, n, max_tokens, temp, *min_p) in enumerate(cases(quick)):
+        min_p = min_p[0] if min_p else 0.0
         t0 = time.perf_counter()
         prompts = random_prompts(lengths, seed=100 + i)
-        samples = harness.generate(prompts, n, max_tokens, temp, seed=1000 + i)
-        report, _ = harness.compare(samples)
-        results.append(dict(case=name, prompts=len(prompts), n=n, temperature=temp,
+        samples = harness.generate(prompts, n, max_tokens, temp, seed=1000 + i, min_p=min_p)
+        report, _ = harness.compare(samples, temp, min_p)
+        results.append(dict(case=name, prompts=len(prompts), n=n, temperature=temp, min_p=min_p,
+                            logprobs=harness.cfg.logprobs,
                             max_prompt_len=max(lengths), generated=sum(len(s.completion_ids) for s in samples),
                             tokens_compared=report.tokens_compared, tokens_different=report.tokens_different,
                             max_abs_diff=report.max_abs_diff, seconds=round(time.perf_counter() - t0, 1)))
@@ -95,13 +100,26 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--cuda-graphs", default=HarnessConfig.cuda_graphs,
                    help="the engine's CUDA-graph mode (none = eager)")
+    p.add_argument("--logprobs", choices=("sampling", "raw"), default=HarnessConfig.logprobs,
+                   help="compare the sampling distribution's logprobs (default) or the raw logits'")
     p.add_argument("--allow-batch-variant", action="store_true",
                    help="run without VLLM_BATCH_INVARIANT=1 (to show the check then fails)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    harness = ParityHarness(HarnessConfig(args.model, args.backend, args.swap_op,
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    logging.captureWarnings(True)
+    import weights
+    from spirl.errors import require_batch_invariant, require_cuda, require_vllm
+    from spirl.run import validate_model_dir
+
+    if not args.allow_batch_variant:
+        require_batch_invariant(" (or pass --allow-batch-variant to show that the check then fails)")
+    require_vllm()
+    model_dir = str(weights.resolve_model_dir(args.model))
+    validate_model_dir(model_dir)
+    require_cuda("the parity matrix (vLLM and the trainer's vllm kernels)")
+    harness = ParityHarness(HarnessConfig(model_dir, args.backend, args.swap_op,
                                           allow_batch_variant=args.allow_batch_variant,
-                                          cuda_graphs=args.cuda_graphs))
+                                          cuda_graphs=args.cuda_graphs, logprobs=args.logprobs))
     results = run(harness, args.quick)
     for r in results:
         print(json.dumps(r))
@@ -114,4 +132,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spirl.errors import run_cli
+
+    sys.exit(run_cli(main))

@@ -92,6 +92,11 @@ class TrainConfig:
     gets the rest."""
     eager: int = 0
     """1 = run vLLM eagerly (no CUDA graphs): slower rollouts, same numbers."""
+    max_model_len: int = 4096
+    """Longest prompt + completion (all turns of an episode) the engine accepts, in tokens."""
+    vllm_sleep: int = 0
+    """1 = put vLLM to sleep while the trainer trains (its KV cache freed, its weights moved to host
+    memory, both restored before the next rollout): more GPU memory for training, ~1 s per step."""
     checkpoint_every: int = 10
     """Write a checkpoint every N steps (and after the last step); 0 = only after the last step."""
     resume: str = ""
@@ -110,6 +115,8 @@ class TrainConfig:
     """Evaluate on the task's held-out set every N steps (and before the first step); 0 = never."""
     eval_pass_k: int = 0
     """With --eval-every: also sample k completions per eval problem and log eval/pass@k; 0 = greedy only."""
+    debug: int = 0
+    """1 = print the full traceback of every error (also SPIRL_DEBUG=1); by default an expected error is one line."""
 
     def validate(self) -> "TrainConfig":
         """Raise ConfigError (one line: field and fix) on the first unusable value."""
@@ -132,6 +139,9 @@ class TrainConfig:
             (self.activation_checkpointing in (0, 1), "activation_checkpointing must be 0 or 1"),
             (0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)"),
             (self.eager in (0, 1), "eager must be 0 or 1"),
+            (self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.max_new_tokens < self.max_model_len, "max_new_tokens must be < max_model_len (room for the prompt)"),
+            (self.vllm_sleep in (0, 1), "vllm_sleep must be 0 or 1"),
             (self.logprobs in LOGPROBS_MODES, f"logprobs must be one of {', '.join(LOGPROBS_MODES)}"),
             (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
             (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),

@@ -34,7 +34,7 @@ def _seq_then_batch_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_seq.mean()
 
 
-def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float, kl_coef: float,
               entropy: torch.Tensor | None = None, entropy_coef: float = 0.0
               ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -42,12 +42,12 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
 
     logprobs      float [N, L]  current policy log p(token), differentiable
     old_logprobs  float [N, L]  policy that sampled the tokens (the rollout's, = trainer's by parity)
-    ref_logprobs  float [N, L]  frozen reference policy
+    ref_logprobs  float [N, L]  frozen reference policy, or None (no KL term: kl_coef must be 0)
     advantages    float [N]     one per sequence (grpo_advantages)
     mask          bool/float [N, L]  1 on real sampled tokens, 0 on padding
     entropy       float [N, L] or None  per-token entropy of the current policy
-    Returns (scalar loss, metrics) with metrics pg_loss, kl_div, entropy, ratio_mean,
-    ratio_clipped_frac as Python floats. Per token:
+    Returns (scalar loss, metrics) with metrics pg_loss, kl_div (only with a reference), entropy,
+    ratio_mean, ratio_clipped_frac as Python floats. Per token:
         pg  = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))
         kl  = exp(ref - logp) - (ref - logp) - 1          (k3, >= 0, unbiased for KL(pi || ref))
         loss_t = pg + kl_coef * kl - entropy_coef * entropy
@@ -58,9 +58,14 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     pg = torch.maximum(unclipped, clipped)
-    delta = ref_logprobs - logprobs
-    kl = torch.exp(delta) - delta - 1.0
-    per_token = pg + kl_coef * kl
+    if ref_logprobs is None:
+        if kl_coef:
+            raise ValueError("kl_coef > 0 needs reference logprobs")
+        kl, per_token = None, pg
+    else:
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1.0
+        per_token = pg + kl_coef * kl
     if entropy is not None and entropy_coef:
         per_token = per_token - entropy_coef * entropy
     loss = _seq_then_batch_mean(per_token, mask)
@@ -70,11 +75,12 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
         is_clipped = (clipped > unclipped).to(mask.dtype)
         metrics = {
             "pg_loss": float(_seq_then_batch_mean(pg, mask)),
-            "kl_div": float(_seq_then_batch_mean(kl, mask)),
             "entropy": float(_seq_then_batch_mean(entropy, mask)) if entropy is not None else 0.0,
             "ratio_mean": float(_seq_then_batch_mean(ratio, mask)),
             "ratio_clipped_frac": float(_seq_then_batch_mean(is_clipped, mask)),
         }
+        if kl is not None:
+            metrics["kl_div"] = float(_seq_then_batch_mean(kl, mask))
     return loss, metrics
 
 

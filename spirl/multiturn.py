@@ -56,19 +56,20 @@ def turn_seed(seed: int, episode: int, turn: int) -> int:
 
 def run_episodes(engine, env: Environment, prompts: list[tuple[list[int], Meta]], group_size: int,
                  max_turns: int, max_new_tokens: int, temperature: float, seed: int,
-                 max_len: int = 4096) -> tuple[list[Trajectory], list[Meta]]:
+                 max_len: int = 4096, **sampling) -> tuple[list[Trajectory], list[Meta]]:
     """group_size episodes per prompt (prompt-major), each of at most max_turns policy turns.
 
     Turn 1 samples group_size completions per prompt in one call (as single-turn GRPO does);
     later turns continue every unfinished episode from its exact ids, one seed per episode.
     An episode ends when the environment says so (finish_reason "answered"), after max_turns
     ("max_turns"), when a turn is cut at max_new_tokens ("length") or stops on a token other than
-    <|im_end|> ("eos"), or when another turn would not fit in max_len tokens ("context")."""
+    <|im_end|> ("eos"), or when another turn would not fit in max_len tokens ("context").
+    `sampling`: the engine's other sampling settings (min_p, top_k, top_p)."""
     fmt = env.format
     trajs = [Trajectory.start(p) for p, _ in prompts for _ in range(group_size)]
     metas = [m for _, m in prompts for _ in range(group_size)]
     samples = engine.generate([p for p, _ in prompts], n=group_size, max_tokens=max_new_tokens,
-                              temperature=temperature, seed=seed)
+                              temperature=temperature, seed=seed, **sampling)
     active = list(range(len(trajs)))
     for turn in range(1, max_turns + 1):
         still = []
@@ -97,9 +98,10 @@ def run_episodes(engine, env: Environment, prompts: list[tuple[list[int], Meta]]
         if not active:
             break
         samples = engine.generate([trajs[i].ids for i in active], n=1, max_tokens=max_new_tokens,
-                                  temperature=temperature, seed=[turn_seed(seed, i, turn) for i in active])
+                                  temperature=temperature, seed=[turn_seed(seed, i, turn) for i in active],
+                                  **sampling)
     if hasattr(engine, "rescore"):  # the native engine reports the trainer's own packed logprobs
-        engine.rescore(trajs)
+        engine.rescore(trajs, temperature, sampling.get("min_p", 0.0))
     return trajs, metas
 
 

@@ -38,8 +38,21 @@ def sampled_rows(seqs: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, list[i
     return torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long), sizes
 
 
-def _sampled_logits(model, seqs: list[Sample], device):
-    """(logits [N, V] of the rows that predict sampled tokens, those tokens [N], sizes).
+@dataclass(frozen=True)
+class SamplingDist:
+    """Which distribution's logprobs: the sampler's (`--logprobs sampling`: logits / temperature,
+    then min-p, exactly as vLLM's V2 sampler and its `processed_logprobs`) or the raw logits'
+    (`--logprobs raw`: the default-constructed RAW)."""
+
+    temperature: float = 1.0
+    min_p: float = 0.0
+
+
+RAW = SamplingDist()
+
+
+def _sampled_rows_hidden(model, seqs: list[Sample], device):
+    """(final hidden states [N, K] of the rows that predict sampled tokens, those tokens [N], sizes).
 
     One packed forward over every sequence. Only the rows that predict a sampled token go
     through lm_head (every op after the decoder is row-wise, so selecting rows first changes no
@@ -47,15 +60,20 @@ def _sampled_logits(model, seqs: list[Sample], device):
     packed = pack([s.ids for s in seqs], device=device)
     rows, targets, sizes = sampled_rows(seqs)
     h = model.hidden_states(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen)
-    logits = bib.linear(h[rows.to(device)], model.output_weight(), model.backend)
-    return logits, targets.to(device), sizes
+    return h[rows.to(device)], targets.to(device), sizes
 
 
-def sampled_logprobs(model, seqs: list[Sample], device) -> list[torch.Tensor]:
-    """The trainer's float32 logprob of every sampled token, one tensor per sequence.
-    Differentiable when grad is enabled."""
-    logits, targets, sizes = _sampled_logits(model, seqs, device)
-    return list(model.token_logprobs(logits, targets).split(sizes))
+def _logprobs(model, seqs, device, dist: SamplingDist, entropy: bool):
+    h, targets, sizes = _sampled_rows_hidden(model, seqs, device)
+    lps, ent = bib.lm_head_logprobs(h, model.output_weight(), targets, model.backend,
+                                    dist.temperature, dist.min_p, entropy=entropy)
+    return list(lps.split(sizes)), (list(ent.split(sizes)) if entropy else None)
+
+
+def sampled_logprobs(model, seqs: list[Sample], device, dist: SamplingDist = RAW) -> list[torch.Tensor]:
+    """The trainer's float32 logprob of every sampled token under `dist`, one tensor per
+    sequence. Differentiable when grad is enabled."""
+    return _logprobs(model, seqs, device, dist, entropy=False)[0]
 
 
 @dataclass
@@ -104,14 +122,10 @@ def compare_logprobs(engine_lps: list[torch.Tensor], trainer_lps: list[torch.Ten
     return ParityReport(compared, different, max_diff, first, per_sample)
 
 
-def sampled_logprobs_and_entropy(model, seqs: list[Sample], device, entropy_grad: bool = False
-                                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """`sampled_logprobs` (the same ops, so the same bits) plus each sampled token's
-    float32 entropy of softmax(logits) over the vocabulary. The entropy is detached unless
-    `entropy_grad` (an entropy bonus needs its gradient; a metric does not)."""
-    logits, targets, sizes = _sampled_logits(model, seqs, device)
-    lps = model.token_logprobs(logits, targets)
-    z = (logits if entropy_grad else logits.detach()).float()
-    logp = torch.log_softmax(z, dim=-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
-    return list(lps.split(sizes)), list(entropy.split(sizes))
+def sampled_logprobs_and_entropy(model, seqs: list[Sample], device, dist: SamplingDist = RAW,
+                                 entropy_grad: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`sampled_logprobs` (the same ops, so the same bits) plus the float32 entropy of `dist` at
+    each sampled token's row. The entropy is detached unless `entropy_grad` (an entropy bonus
+    needs its gradient; a metric does not)."""
+    lps, ent = _logprobs(model, seqs, device, dist, entropy=True)
+    return lps, ent if entropy_grad else [e.detach() for e in ent]

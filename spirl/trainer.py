@@ -12,14 +12,21 @@ Per step, in order:
   2. the engine samples group_size completions per prompt (token ids + logprobs);
   3. rewards, group-relative advantages;
   4. the trainer's packed forward on the sampled ids (no grad) must equal the engine's logprob of
-     every sampled token bit for bit, else ParityError (report written, no new checkpoint);
-  5. reference-policy logprobs (frozen copy of the initial weights);
+     every sampled token bit for bit (under the distribution --logprobs names), else ParityError
+     (report written, no new checkpoint); with --vllm-sleep the engine then sleeps (KV cache
+     freed, weights in host memory) until the weight sync;
+  5. reference-policy logprobs (frozen copy of the initial weights; only when kl_coef > 0);
   6. if every advantage is zero (all groups had equal rewards) there is no learning signal: the
      step is logged with `skipped_update=1` and no optimizer step is taken (nothing to sync);
   7. updates_per_batch optimizer steps, each over one mini-batch split into micro-batches of at
      most max_tokens_per_microbatch tokens;
      a NaN/Inf loss stops the run before any gradient of it is applied (NonFiniteLossError);
   8. weight sync to the engine; metrics; checkpoint every checkpoint_every steps and at the end.
+
+Memory: fp32 masters + AdamW state + fp32 grads, the bf16 compute model (+ its transient bf16
+grads), a bf16 reference only when kl_coef > 0, activations of one micro-batch (per decoder layer
+only its input with activation checkpointing), lm_head in row chunks (never [T, vocab] at once),
+and the engine's share. `memory/peak_gib/<phase>` reports torch's peak allocation per phase.
 """
 
 from __future__ import annotations
@@ -39,10 +46,12 @@ import torch
 from .config import TrainConfig
 from .engines.base import Sample
 from .loss import grpo_advantages, grpo_loss, pad
-from .metrics import weight_deltas
 from .multiturn import episode_metrics, run_episodes
+from .optim import build_adamw, step_with_deltas
 from .parity import (
+    RAW,
     ParityReport,
+    SamplingDist,
     compare_logprobs,
     sampled_logprobs,
     sampled_logprobs_and_entropy,
@@ -66,11 +75,12 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclass
 class Policy:
-    """fp32 masters (what AdamW updates), the compute model (their cast), the frozen reference."""
+    """fp32 masters (what AdamW updates), the compute model (their cast), the frozen reference
+    (None when the loss has no KL term)."""
 
     masters: dict[str, torch.nn.Parameter]
     model: torch.nn.Module
-    ref: torch.nn.Module
+    ref: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
 
     @torch.no_grad()
@@ -88,8 +98,6 @@ class Policy:
             m.grad = g.clone() if m.grad is None else m.grad.add_(g)
             p.grad = None
 
-    def master_snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.masters.items()}
 
 
 def build_policy(model_dir: Path, cfg: TrainConfig, device: torch.device) -> Policy:
@@ -100,20 +108,29 @@ def build_policy(model_dir: Path, cfg: TrainConfig, device: torch.device) -> Pol
     master_model = load_model(model_dir, device=device, dtype=torch.float32, backend=backend)
     # deepcopy first: .to() of a float32 model to float32 would otherwise share the masters' storage
     model = copy.deepcopy(master_model).to(dtype)
-    ref = copy.deepcopy(model).requires_grad_(False)
+    model.activation_checkpointing = bool(cfg.activation_checkpointing)
+    ref = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
     masters = dict(master_model.named_parameters())
-    opt = torch.optim.AdamW(list(masters.values()), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
-    return Policy(masters, model, ref, opt)
+    return Policy(masters, model, ref, build_adamw(masters, cfg.lr, cfg.weight_decay))
+
+
+def sampling_dist(cfg: TrainConfig) -> SamplingDist:
+    """The distribution whose logprobs engine and trainer compare and train on (--logprobs)."""
+    return SamplingDist(cfg.temperature, cfg.min_p) if cfg.logprobs == "sampling" else RAW
 
 
 def build_engine(cfg: TrainConfig, model_dir: Path, policy: Policy):
     if cfg.engine == "native":
         from .engines.native_engine import NativeEngine
 
-        return NativeEngine(policy.model, EOS_IDS)
+        return NativeEngine(policy.model, EOS_IDS, logprobs=cfg.logprobs)
     from .engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-    return VLLMEngine(VLLMEngineConfig(str(model_dir), seed=cfg.seed))
+    return VLLMEngine(VLLMEngineConfig(
+        str(model_dir), seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_model_len=cfg.max_model_len, cuda_graphs="none" if cfg.eager else "full_decode_only",
+        logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs",
+        sleep_between_rollouts=bool(cfg.vllm_sleep)))
 
 
 def sync_weights(engine, policy: Policy, cfg: TrainConfig) -> float:
@@ -131,13 +148,27 @@ def sync_weights(engine, policy: Policy, cfg: TrainConfig) -> float:
 
 @contextmanager
 def timed(times: dict, key: str):
-    if torch.cuda.is_available():
+    """Adds the phase's seconds to times[key] and, on a GPU, its peak torch allocation (GiB) to
+    times["peak:" + key] (the max over the phase's repetitions)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     yield
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        times["peak:" + key] = max(times.get("peak:" + key, 0.0), peak)
     times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+
+
+def phase_metrics(times: dict) -> dict[str, float]:
+    """time/<phase> seconds and memory/peak_gib/<phase> from what `timed` collected."""
+    out = {}
+    for k, v in times.items():
+        out[f"memory/peak_gib/{k[5:]}" if k.startswith("peak:") else f"time/{k}"] = v
+    return out
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -190,17 +221,19 @@ def token_budget_slices(lengths: list[int], budget: int) -> list[slice]:
 
 def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainConfig, device, times) -> dict:
     """One optimizer step over `samples`, accumulated over micro-batches of at most
-    cfg.max_tokens_per_microbatch tokens."""
+    cfg.max_tokens_per_microbatch tokens. ref_lps is None when there is no KL term. Returns the
+    mini-batch's loss metrics and the per-layer weight deltas."""
     n = len(samples)
     sums: dict[str, float] = {}
+    dist = sampling_dist(cfg)
     for sl in token_budget_slices([len(s.ids) for s in samples], cfg.max_tokens_per_microbatch):
         with timed(times, "forward"):
-            lps, ent = sampled_logprobs_and_entropy(policy.model, samples[sl], device,
-                                                       entropy_grad=cfg.entropy_coef > 0)
+            lps, ent = sampled_logprobs_and_entropy(policy.model, samples[sl], device, dist,
+                                                    entropy_grad=cfg.entropy_coef > 0)
             lp, mask = pad(lps)
-            loss, m = grpo_loss(lp, pad(old_lps[sl])[0].to(device), pad(ref_lps[sl])[0].to(device),
-                                adv[sl].to(device), mask, cfg.clip_eps, cfg.kl_coef,
-                                pad(ent)[0], cfg.entropy_coef)
+            ref = None if ref_lps is None else pad(ref_lps[sl])[0].to(device)
+            loss, m = grpo_loss(lp, pad(old_lps[sl])[0].to(device), ref, adv[sl].to(device), mask,
+                                cfg.clip_eps, cfg.kl_coef, pad(ent)[0], cfg.entropy_coef)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(f"loss is {float(loss)}; stopping (the last checkpoint is kept)")
         w = (sl.stop - sl.start) / n  # per-sequence means, weighted by sequences: the mini-batch mean
@@ -212,10 +245,15 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
     with timed(times, "optimizer"):
         if cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(list(policy.masters.values()), cfg.max_grad_norm)
-        policy.optimizer.step()
+        deltas = step_with_deltas(policy.optimizer)
         policy.optimizer.zero_grad(set_to_none=True)
         policy.push_masters_to_model()
-    return sums
+    return {**sums, **deltas}
+
+
+def extra_sampling(cfg: TrainConfig) -> dict:
+    """The engine's sampling settings besides the temperature."""
+    return dict(min_p=cfg.min_p, top_k=cfg.top_k, top_p=cfg.top_p)
 
 
 def collect(step: int, cfg: TrainConfig, task, engine) -> tuple[list, list[dict], torch.Tensor, dict]:
@@ -226,11 +264,11 @@ def collect(step: int, cfg: TrainConfig, task, engine) -> tuple[list, list[dict]
     seed = step_seed(cfg.seed, step) % (2**31)
     if getattr(task, "multi_turn", False):
         trajs, metas = run_episodes(engine, task, prompts, cfg.group_size, cfg.max_turns, cfg.max_new_tokens,
-                                    cfg.temperature, seed)
+                                    cfg.temperature, seed, max_len=cfg.max_model_len, **extra_sampling(cfg))
         rewards = [task.reward(t, m) for t, m in zip(trajs, metas)]
         return trajs, metas, torch.tensor(rewards, dtype=torch.float32), episode_metrics(trajs)
     samples = engine.generate([p for p, _ in prompts], n=cfg.group_size, max_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, seed=seed)
+                              temperature=cfg.temperature, seed=seed, **extra_sampling(cfg))
     metas = [meta for _, meta in prompts for _ in range(cfg.group_size)]
     rewards = [task.reward(s.completion_ids, m) for s, m in zip(samples, metas)]
     return samples, metas, torch.tensor(rewards, dtype=torch.float32), {}
@@ -258,42 +296,45 @@ def detect_retokenization(trajs, metas: list[dict], task, model, device) -> dict
 
 def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, run_dir: Path) -> dict:
     times: dict[str, float] = {}
+    dist = sampling_dist(cfg)
     with timed(times, "rollout"):
         samples, metas, rewards, extra = collect(step, cfg, task, engine)
     adv = grpo_advantages(rewards, cfg.group_size)
     multi_turn = getattr(task, "multi_turn", False)
     if multi_turn and cfg.save_rollouts:
         save_rollouts(run_dir / "rollouts" / f"step_{step:06d}.jsonl", samples, metas, task, rewards)
-    with timed(times, "forward"), torch.no_grad():
-        trainer_lps = sampled_logprobs(policy.model, samples, device)
+    with timed(times, "parity"), torch.no_grad():
+        trainer_lps = sampled_logprobs(policy.model, samples, device, dist)
         report = check_parity(samples, trainer_lps, step, run_dir, engine, policy)
-        ref_lps = [x.float().cpu() for x in sampled_logprobs(policy.ref, samples, device)]
+        del trainer_lps
+    if hasattr(engine, "sleep"):
+        engine.sleep()  # free the KV cache while the trainer trains (--vllm-sleep)
+    with timed(times, "reference"), torch.no_grad():
+        ref_lps = None if policy.ref is None else [
+            x.float().cpu() for x in sampled_logprobs(policy.ref, samples, device, dist)]
     old_lps = [s.logprobs for s in samples]
     out = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
            "parity/tokens_compared": report.tokens_compared, "parity/tokens_different": report.tokens_different,
            "parity/max_abs_diff": report.max_abs_diff,
-           "completion_len_mean": sum(len(s.logprobs) for s in samples) / len(samples), **extra}
+           "completion_len_mean": sum(len(s.logprobs) for s in samples) / len(samples),
+           "tokens_trained": float(sum(len(s.logprobs) for s in samples)), **extra}
     if multi_turn and cfg.detect_retokenization:
         with torch.no_grad():
             out.update(detect_retokenization(samples, metas, task, policy.model, device))
     if not bool((adv != 0).any()):
         log.warning("step %d: every group has equal rewards, so every advantage is 0: no update this step", step)
         out["skipped_update"] = 1.0
-        return {**out, **{f"time/{k}": v for k, v in times.items()}}
-    before = policy.master_snapshot()
+        return {**out, **phase_metrics(times)}
     per = len(samples) // cfg.updates_per_batch
     agg: dict[str, float] = {}
     for u in range(cfg.updates_per_batch):
         sl = slice(u * per, (u + 1) * per)
-        m = train_minibatch(policy, samples[sl], old_lps[sl], ref_lps[sl], adv[sl], cfg, device, times)
+        m = train_minibatch(policy, samples[sl], old_lps[sl], None if ref_lps is None else ref_lps[sl],
+                            adv[sl], cfg, device, times)
         for k, v in m.items():
             agg[k] = agg.get(k, 0.0) + v / cfg.updates_per_batch
     with timed(times, "weight_sync"):
         sync_weights(engine, policy, cfg)
     out.update(agg)
     out["skipped_update"] = 0.0
-    out.update(weight_deltas(before, {k: v.detach() for k, v in policy.masters.items()}))
-    return {**out, **{f"time/{k}": times.get(k, 0.0) for k in
-                      ("rollout", "forward", "backward", "optimizer", "weight_sync")}}
-
-
+    return {**out, **phase_metrics(times)}

@@ -166,8 +166,49 @@ def case_token_logprobs(dtype, shape=(5, 40)):
     return (z,), (lambda z: bib.token_logprobs(z, ids, REF)), math
 
 
+def lm_head_logprobs_math(h, w, ids, temperature, min_p):
+    """(log p(ids), entropy) of softmax(min_p(h W^T / T)) in the compute dtype, written out."""
+    cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
+    z = (h @ w.T).to(cdt) / temperature
+    if min_p:
+        z = z.masked_fill(z < z.max(-1, keepdim=True).values + torch.log(torch.tensor(min_p, dtype=cdt)),
+                          float("-inf"))
+    logp = torch.log_softmax(z, -1)
+    p = logp.exp()
+    finite = logp.masked_fill(p == 0, 0.0)  # cut entries: p log p = 0, and no 0 * inf in autograd
+    return logp[torch.arange(h.shape[0]), ids], -(p * finite).sum(-1)
+
+
+def case_lm_head_logprobs(dtype, rows=6, dim=16, vocab=40, temperature=0.7, min_p=0.05):
+    """lm_head + temperature + min-p + token logprob + entropy, the fused op the trainer runs.
+    Logits of scale ~4: with min_p 0.05 (log = -3) several entries of each row are cut, none
+    within finite-difference reach of the threshold."""
+    h = _randn(rows, dim, dtype=dtype, seed=14)
+    w = _randn(vocab, dim, dtype=dtype, seed=15)
+    ids = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(16))
+    ids = torch.where(_kept(h, w, temperature, min_p)[torch.arange(rows), ids], ids, _kept_argmax(h, w))
+    return ((h, w), (lambda h, w: bib.lm_head_logprobs(h, w, ids, REF, temperature, min_p, entropy=True)),
+            (lambda h, w: lm_head_logprobs_math(h, w, ids, temperature, min_p)))
+
+
+def _kept(h, w, temperature, min_p):
+    z = (h.double() @ w.double().T) / temperature
+    return z >= z.max(-1, keepdim=True).values + torch.log(torch.tensor(min_p, dtype=torch.float64))
+
+
+def _kept_argmax(h, w):
+    return (h.double() @ w.double().T).argmax(-1)
+
+
+def case_lm_head_logprobs_raw(dtype):
+    """T = 1 and no min-p (`--logprobs raw`, or sampling at T = 1)."""
+    return case_lm_head_logprobs(dtype, temperature=1.0, min_p=0.0)
+
+
 CASES = {
     "token_logprobs": case_token_logprobs,
+    "lm_head_logprobs": case_lm_head_logprobs,
+    "lm_head_logprobs_raw": case_lm_head_logprobs_raw,
     "rms_norm": case_rms_norm,
     "rms_norm_heads": case_rms_norm_heads,
     "silu_and_mul": case_silu_and_mul,
@@ -218,6 +259,7 @@ def test_float32_grads_close_to_float64_math(name):
 
 SMALL_CASES = {
     "token_logprobs": lambda: case_token_logprobs(torch.float64, shape=(3, 6)),
+    "lm_head_logprobs": lambda: case_lm_head_logprobs(torch.float64, rows=3, dim=4, vocab=9, min_p=0.02),
     "rms_norm": lambda: case_rms_norm(torch.float64, shape=(3, 8)),
     "rms_norm_heads": lambda: case_rms_norm(torch.float64, shape=(2, 3, 4)),
     "silu_and_mul": lambda: case_silu_and_mul(torch.float64, shape=(3, 10)),
@@ -402,3 +444,61 @@ def test_attention_backward_memory_is_block_by_seq_not_seq_by_seq():
     # seq x seq matrix here. Any single-head S x S tensor (16.7M elements) would exceed it.
     assert spy.max_numel <= heads * block * seq < seq * seq, (spy.max_numel, spy.max_op)
     assert all(torch.isfinite(t.grad).all() for t in leaves)
+
+
+# --------------------------------------------------------------------------------------------
+# lm_head_logprobs: chunking changes no bit; entropy unused costs no gradient term
+# --------------------------------------------------------------------------------------------
+
+
+def test_lm_head_logprobs_chunking_is_exact():
+    """Rows are processed in chunks of LOGITS_CHUNK_ELEMENTS // vocab rows: one chunk and chunks of
+    1, 2 and 5 rows give the same values and gradients (float64, to 1e-12: on the CPU a GEMM's
+    blocking - and so its last bits - depends on its row count; on the GPU the batch-invariant
+    GEMM makes them bitwise equal, tests/gpu/test_trainer_backward_gpu.py)."""
+    (h, w), wrapped, _ = case_lm_head_logprobs(torch.float64, rows=11)
+    outs, grads = outputs_and_grads(wrapped, (h, w))
+    for rows_per_chunk in (1, 2, 5):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(bib, "LOGITS_CHUNK_ELEMENTS", rows_per_chunk * w.shape[0])
+            assert len(bib._row_chunks(11, w.shape[0])) == -(-11 // rows_per_chunk)
+            outs_c, grads_c = outputs_and_grads(wrapped, (h, w))
+        for a, b in zip(outs + grads, outs_c + grads_c):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_lm_head_logprobs_forward_is_the_unfused_ops_bitwise():
+    """lp = backend.token_logprobs(backend.sampling_logits(backend.linear(h, W))), bit for bit."""
+    (h, w), wrapped, _ = case_lm_head_logprobs(torch.bfloat16, rows=9)
+    ids = torch.arange(9) % 40
+    lp, _ = bib.lm_head_logprobs(h, w, ids, REF, 0.7, 0.05)
+    assert torch.equal(lp, REF.token_logprobs(REF.sampling_logits(REF.linear(h, w), 0.7, 0.05), ids))
+
+
+def test_sampling_logits_match_float64_reference():
+    """The reference backend's temperature and min-p (vLLM's order: divide in float32, round to the
+    logits' dtype, then cut below max + log(min_p)) against float64 math: within one rounding of
+    the logits' dtype (bf16: 2^-8 relative), and the same entries cut."""
+    z = _randn(7, 300, dtype=torch.bfloat16, seed=21) * 4
+    for temperature, min_p in [(0.7, 0.0), (1.3, 0.1), (1.0, 0.05)]:
+        got = REF.sampling_logits(z, temperature, min_p)
+        want = z.double() / temperature
+        cut = want < want.max(-1, keepdim=True).values + torch.log(torch.tensor(min_p, dtype=torch.float64))
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(torch.isinf(got), cut if min_p else torch.zeros_like(cut))
+        kept = ~cut if min_p else torch.ones_like(cut)
+        torch.testing.assert_close(got.double()[kept], want[kept], atol=0, rtol=2**-8)
+    assert REF.sampling_logits(z, 1.0, 0.0) is z
+
+
+def test_unused_entropy_output_adds_no_gradient():
+    """When only the logprobs reach the loss, the gradient is that of the logprobs alone."""
+    (h, w), _, _ = case_lm_head_logprobs(torch.float64)
+    ids = torch.arange(6)
+    leaves = [t.clone().requires_grad_() for t in (h, w)]
+    lp, ent = bib.lm_head_logprobs(*leaves, ids, REF, 0.7, 0.0, entropy=True)
+    g1 = torch.autograd.grad(lp.sum(), leaves)
+    leaves2 = [t.clone().requires_grad_() for t in (h, w)]
+    lp2, _ = bib.lm_head_logprobs(*leaves2, ids, REF, 0.7, 0.0)
+    g2 = torch.autograd.grad(lp2.sum(), leaves2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))

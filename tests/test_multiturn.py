@@ -90,7 +90,7 @@ class ScriptedEngine(NativeEngine):
         expr = re.search(r"What is ([0-9*+]+)\?", text).group(1)
         return behaviours(self.tok, expr, evaluate(expr))[k % 4]
 
-    def generate(self, prompts, n=1, max_tokens=64, temperature=1.0, seed=None):
+    def generate(self, prompts, n=1, max_tokens=64, temperature=1.0, seed=None, **sampling):
         self.calls.append([list(p) for p in prompts])
         out = []
         for p in prompts:
@@ -311,8 +311,8 @@ def _scripted(monkeypatch, tok, break_turn: int | None = None):
         if break_turn is not None:
             rescore = engine.rescore
 
-            def rescore_then_flip(seqs):
-                rescore(seqs)
+            def rescore_then_flip(seqs, *dist):
+                rescore(seqs, *dist)
                 t = seqs[2]
                 start = sum(len(x) for x in t.turns[:break_turn])
                 lp = t.logprobs

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 
 import batch_invariant_backward as bib
@@ -112,6 +113,9 @@ class Qwen3VLLMCompatModel(nn.Module):
         self.norm = Norm(model_args.dim, model_args.norm_eps)
         self.output = None if model_args.enable_weight_tying else Linear(model_args.dim, model_args.vocab_size)
         self._rope_cache: torch.Tensor | None = None
+        self.activation_checkpointing = False
+        """Keep only each decoder layer's input when grad is on; recompute the layer in the
+        backward (every op is deterministic, so the recomputation has the forward's bits)."""
 
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
@@ -133,8 +137,9 @@ class Qwen3VLLMCompatModel(nn.Module):
     def hidden_states(self, tokens, positions, cu_seqlens, max_seqlen=None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         p = self.packed(positions, cu_seqlens, max_seqlen, like=h)
+        checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            h = layer(h, p)
+            h = checkpoint(layer, h, p, use_reentrant=False) if checkpointing else layer(h, p)
         return self.norm(h, p)
 
     def forward(self, tokens, positions, cu_seqlens, max_seqlen=None) -> torch.Tensor:

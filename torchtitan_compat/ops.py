@@ -18,15 +18,20 @@ Tensor conventions (flat token layout, as in vLLM):
     q: [T, Hq, D], k/v: [T, Hk, D]; cu_seqlens: int32 [B+1]
     attention returns (out [T, Hq, D], lse float32 [Hq, T])
     token_logprobs(logits [T, V], ids int64 [T]) returns float32 [T]
+    sampling_logits(logits [T, V], temperature, min_p) returns new [T, V] logits, same dtype: the
+        distribution the sampler draws from (logits / T, then min-p), as vLLM's sampler computes it
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
 import torch.nn.functional as F
+
+from batch_invariant_backward import compute_dtype
 
 from . import attention as ref_attention
 
@@ -75,6 +80,18 @@ class ReferenceBackend:
         """float32 log softmax(logits)[t, ids[t]] (float64 for float64 logits)."""
         z = logits if logits.dtype == torch.float64 else logits.float()
         return torch.log_softmax(z, -1).gather(-1, ids[:, None]).squeeze(-1)
+
+    def sampling_logits(self, logits: torch.Tensor, temperature: float, min_p: float) -> torch.Tensor:
+        """vLLM's V2 sampler order: z = logits / T computed in float32 and stored back in the logits'
+        dtype (skipped at T = 1), then min-p: entries below max(z) + log(min_p) become -inf."""
+        cdt = compute_dtype(logits.dtype)
+        z = logits
+        if temperature != 1.0:
+            z = (logits.to(cdt) / torch.tensor(temperature, dtype=cdt)).to(logits.dtype)
+        if min_p > 0.0:
+            threshold = z.max(-1, keepdim=True).values.to(cdt) + math.log(min_p)
+            z = z.masked_fill(z.to(cdt) < threshold, float("-inf"))
+        return z
 
 
 def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@ docs/vllm-0.26-forward-path.md):
     attention                              FlashAttention 3 varlen, num_splits=1
     sampled-token logprob                  vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs
                                             (Triton; NOT torch.log_softmax, which differs by ~1e-6)
+    temperature, min-p (processed logprobs) vllm.v1.worker.gpu.sample.gumbel.apply_temperature,
+                                            ...sample.min_p.apply_min_p (Triton, in place, as the
+                                            V2 sampler applies them before its logprob kernel)
 Embedding lookup is F.embedding in both (no op here).
 """
 
@@ -37,6 +40,8 @@ class VLLMBackend:
             raise BackendError(f"vLLM {vllm.__version__} is installed but parity is only proven for "
                                f"{PINNED_VLLM_VERSION}: pip install vllm=={PINNED_VLLM_VERSION}")
         import vllm._custom_ops  # noqa: F401  (registers torch.ops._C.*)
+        from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
+        from vllm.v1.worker.gpu.sample.min_p import apply_min_p
         from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
         from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -47,6 +52,8 @@ class VLLMBackend:
         self._rms_norm = rms_norm_batch_invariant
         self._token_logprobs = compute_token_logprobs
         self._flash_attn = flash_attn_varlen_func
+        self._apply_temperature = apply_temperature
+        self._apply_min_p = apply_min_p
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
@@ -83,3 +90,16 @@ class VLLMBackend:
 
     def token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self._token_logprobs(logits, ids.view(-1, 1))[:, 0]
+
+    def sampling_logits(self, logits: torch.Tensor, temperature: float, min_p: float) -> torch.Tensor:
+        """vLLM's own in-place temperature and min-p kernels, on a copy (every row reads request 0
+        of a one-request parameter table)."""
+        if temperature == 1.0 and min_p == 0.0:
+            return logits
+        z = logits.clone()
+        rows = torch.zeros(z.shape[0], dtype=torch.int32, device=z.device)
+        if temperature != 1.0:
+            self._apply_temperature(z, rows, torch.tensor([temperature], dtype=torch.float32, device=z.device))
+        if min_p > 0.0:
+            self._apply_min_p(z, rows, torch.tensor([min_p], dtype=torch.float32, device=z.device))
+        return z

@@ -22,8 +22,9 @@ class Sample:
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: torch.Tensor
-    """float32 [len(completion_ids)]: the engine's log p(token | prefix) from the raw logits
-    (before temperature), so it is comparable with the trainer's at any temperature."""
+    """float32 [len(completion_ids)]: the engine's log p(token | prefix) under the distribution
+    its logprobs mode names: `sampling` = the one that sampled (logits / T, then min-p),
+    `raw` = the raw logits' (see spirl.parity.SamplingDist)."""
     finish_reason: str | None = None
 
     @property

@@ -9,9 +9,10 @@ Logprobs: a KV-cache decode does not compute the same float operations as the tr
 full-sequence forward (different matmul shapes and attention splits), so its logprobs are not
 bitwise equal to the trainer's in general. The reported logprob of each sampled token is
 therefore *re-scored* after sampling with `spirl.parity.sampled_logprobs`, the very packed
-forward the trainer uses (raw logits, before temperature). The per-step parity check is then
-exact by construction for this engine; it exists to test the plumbing on CPU. The real check is
-vLLM on the GPU.
+forward the trainer uses, under the distribution the logprobs mode names (`sampling`: logits / T
+then min-p, as vLLM's processed logprobs; `raw`: the raw logits). The per-step parity check is
+then exact by construction for this engine; it exists to test the plumbing on CPU. The real check
+is vLLM on the GPU.
 """
 
 from __future__ import annotations
@@ -21,15 +22,20 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from ..parity import sampled_logprobs
+from ..parity import RAW, SamplingDist, sampled_logprobs
 from .base import Sample
 
 
 class NativeEngine:
-    def __init__(self, model, eos_ids: Iterable[int]):
+    def __init__(self, model, eos_ids: Iterable[int], logprobs: str = "raw"):
         self.model = model
         """The trainer's compute model itself: weight sync is then a no-op (see load_weights)."""
         self.eos_ids = set(int(i) for i in eos_ids)
+        self.logprobs = logprobs
+        """`sampling` or `raw`: which distribution's logprobs the samples carry."""
+
+    def dist(self, temperature: float, min_p: float) -> SamplingDist:
+        return SamplingDist(temperature, min_p) if self.logprobs == "sampling" else RAW
 
     @property
     def device(self) -> torch.device:
@@ -37,7 +43,8 @@ class NativeEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 64,
-                 temperature: float = 1.0, seed: int | list[int] | None = None) -> list[Sample]:
+                 temperature: float = 1.0, seed: int | list[int] | None = None,
+                 min_p: float = 0.0, top_k: int = -1, top_p: float = 1.0) -> list[Sample]:
         """n samples per prompt, prompt-major (like VLLMEngine.generate). `seed`: one for the
         call, or one per prompt."""
         if isinstance(seed, list):
@@ -46,17 +53,18 @@ class NativeEngine:
             gens = [torch.Generator(device=self.device).manual_seed(s) for s in seed]
         else:
             gens = [torch.Generator(device=self.device).manual_seed(0 if seed is None else seed)] * len(prompts)
+        pick = dict(temperature=temperature, min_p=min_p, top_k=top_k, top_p=top_p)
         samples = []
         for prompt, gen in zip(prompts, gens):
-            for completion, reason in self._sample_group(list(prompt), n, max_tokens, temperature, gen):
+            for completion, reason in self._sample_group(list(prompt), n, max_tokens, pick, gen):
                 samples.append(Sample(list(prompt), completion, torch.empty(0), reason))
-        return self.rescore(samples)
+        return self.rescore(samples, temperature, min_p)
 
     @torch.no_grad()
-    def rescore(self, seqs: list) -> list:
+    def rescore(self, seqs: list, temperature: float = 1.0, min_p: float = 0.0) -> list:
         """Set every sequence's logprobs to the trainer's packed forward over exactly these
         sequences (see the module docstring). Multi-turn rollouts call it on whole trajectories."""
-        for s, lp in zip(seqs, sampled_logprobs(self.model, seqs, self.device)):
+        for s, lp in zip(seqs, sampled_logprobs(self.model, seqs, self.device, self.dist(temperature, min_p))):
             s.logprobs = lp.float().cpu()
         return seqs
 
@@ -71,11 +79,20 @@ class NativeEngine:
 
     # -- decoding ------------------------------------------------------------------------------
 
-    def _pick(self, logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    def _pick(self, logits: torch.Tensor, pick: dict, gen: torch.Generator) -> torch.Tensor:
+        """A draw from softmax(logits / T) after min-p, then top-k and top-p (vLLM's order)."""
+        z = self.model.backend.sampling_logits(logits, pick["temperature"], pick["min_p"]).float()
+        if pick["top_k"] > 0:
+            kth = z.topk(min(pick["top_k"], z.shape[-1]), dim=-1).values[..., -1:]
+            z = z.masked_fill(z < kth, float("-inf"))
+        if pick["top_p"] < 1.0:
+            sorted_z, order = z.sort(dim=-1, descending=True)
+            cum = sorted_z.softmax(-1).cumsum(-1)
+            drop = cum - sorted_z.softmax(-1) >= pick["top_p"]  # keep the smallest prefix reaching top_p
+            z = z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
+        return torch.multinomial(torch.softmax(z, dim=-1), 1, generator=gen).squeeze(-1)
 
-    def _sample_group(self, prompt, n, max_tokens, temperature, gen):
+    def _sample_group(self, prompt, n, max_tokens, pick, gen):
         dev = self.device
         tokens = torch.tensor(prompt, device=dev)
         positions = torch.arange(len(prompt), device=dev)
@@ -85,7 +102,7 @@ class NativeEngine:
         out = [[] for _ in range(n)]
         done = [None] * n
         for t in range(max_tokens):
-            nxt = self._pick(logits, temperature, gen)
+            nxt = self._pick(logits, pick, gen)
             for i, tok in enumerate(nxt.tolist()):
                 if done[i] is None:
                     out[i].append(tok)

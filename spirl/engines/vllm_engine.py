@@ -48,6 +48,9 @@ class VLLMEngineConfig:
     """One of CUDA_GRAPH_MODES: `full_decode_only` (graphs for pure-decode steps), `full`, `none` (eager)."""
     logprobs_mode: str = "raw_logprobs"
     """vLLM's logprobs_mode: `raw_logprobs` or `processed_logprobs` (after temperature / min-p)."""
+    sleep_between_rollouts: bool = False
+    """Build with vLLM's sleep mode, so `sleep()` can free the KV cache and move the weights to
+    host memory while the trainer trains, and `wake_up()` bring them back."""
 
 
 CUDA_GRAPH_MODES = {
@@ -63,6 +66,29 @@ CUDA_GRAPH_MODES = {
 }
 
 
+SUPPORTED_HEAD_DIMS = (128,)
+"""Head dims whose attention vLLM 0.26 computes alike in prefill, in decode and in the trainer.
+
+vLLM's FlashAttention-3 (vllm-project/flash-attention caaa4eb5, hopper/tile_size.h) sums keys in
+blocks of kBlockN, and kBlockN is 128 for causal head_dim 128 on every path. For head_dim <= 64 a
+pure-decode step (max_seqlen_q = 1) drops the causal flag and gets kBlockN 192 (or 160), while a
+prefill gets 128: the same row then has other bits in decode than in prefill (measured on an H200
+at head_dim 64). Head dims 80-96 get 144 without a page table (the trainer) and 128 with one
+(vLLM). Every released Qwen3 has head_dim 128."""
+
+
+def check_model_supported(model_dir: str) -> None:
+    """Refuse, in one line, a checkpoint whose rollouts vLLM 0.26 cannot make self-consistent."""
+    from torchtitan_compat.config import ConfigError, load_hf_config, model_args_from_hf_config
+
+    head_dim = model_args_from_hf_config(load_hf_config(model_dir)).head_dim
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ConfigError(
+            f"{model_dir}: head_dim {head_dim} is not supported with vLLM 0.26 (its FlashAttention-3 sums "
+            f"attention in other blocks when decoding than when prefilling at this head_dim, so rollout "
+            f"logprobs would not match any forward); use a checkpoint with head_dim 128, or --engine native")
+
+
 def prepare_environment(require_batch_invariant: bool = True) -> None:
     """Check/set the environment vLLM reads at import time; raise if it is too late to fix."""
     if require_batch_invariant and os.environ.get("VLLM_BATCH_INVARIANT") != "1":
@@ -75,6 +101,7 @@ def prepare_environment(require_batch_invariant: bool = True) -> None:
 class VLLMEngine:
     def __init__(self, cfg: VLLMEngineConfig):
         prepare_environment(cfg.require_batch_invariant)
+        check_model_supported(cfg.model_dir)
         vllm_patches.apply()
         from vllm import LLM
 
@@ -85,7 +112,8 @@ class VLLMEngine:
         self.llm = LLM(model=cfg.model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=cfg.seed,
                        enable_prefix_caching=False, gpu_memory_utilization=cfg.gpu_memory_utilization,
                        max_model_len=cfg.max_model_len, logprobs_mode=cfg.logprobs_mode,
-                       **CUDA_GRAPH_MODES[cfg.cuda_graphs])
+                       enable_sleep_mode=cfg.sleep_between_rollouts, **CUDA_GRAPH_MODES[cfg.cuda_graphs])
+        self.asleep = False
         self.start_seconds = time.perf_counter() - t0
         log.info("vLLM engine ready in %.1fs (%s, cuda graphs: %s)", self.start_seconds, cfg.model_dir,
                  cfg.cuda_graphs)
@@ -96,24 +124,39 @@ class VLLMEngine:
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
     def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 64,
-                 temperature: float = 1.0, seed: int | list[int] | None = None) -> list[Sample]:
+                 temperature: float = 1.0, seed: int | list[int] | None = None,
+                 min_p: float = 0.0, top_k: int = -1, top_p: float = 1.0) -> list[Sample]:
         """n samples per prompt, prompt-major. `seed`: one sampling seed for the call, or one per
         prompt (multi-turn rollouts give each episode's turn its own)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self.wake_up()
         seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=s)
-                  for s in seeds]
+        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=s,
+                                 min_p=min_p, top_k=top_k, top_p=top_p) for s in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                     params, use_tqdm=False)
         return [_to_sample(list(p), c) for p, out in zip(prompts, outputs) for c in out.outputs]
 
+    def sleep(self) -> None:
+        """Free the KV cache and move the weights to host memory (vLLM sleep level 1), if the
+        engine was built for it; the next generate() or load_weights() wakes it up."""
+        if self.cfg.sleep_between_rollouts and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def load_weights(self, hf_named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Copy new weights (Hugging Face names, any device) into the engine in memory; seconds taken."""
         t0 = time.perf_counter()
+        self.wake_up()
         self.model.load_weights(hf_named_tensors)
         torch.cuda.synchronize()
         return time.perf_counter() - t0

@@ -1,0 +1,90 @@
+"""compare/bench_trainer.py on CPU: the table, the ours-vs-torchtitan logprob check, --json, errors.
+
+The main run is the documented CPU smoke run (`--shape tiny --shapes 2x64,mixed4`, one iteration,
+~40 s on two cores: tiny keeps Qwen3's 151,936-token vocabulary, so lm_head dominates). The packed
+block_causal run uses --model with a one-layer tiny checkpoint cut to a 4,096-token vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from compare import bench_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "compare" / "bench_trainer.py"
+SMALL_VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def small_vocab_ckpt(tmp_path_factory) -> Path:
+    from weights import load_hf_checkpoint, save_hf_checkpoint, write_random_checkpoint
+
+    base = tmp_path_factory.mktemp("bench")
+    src = write_random_checkpoint(base / "tiny", "tiny", num_layers=1, seed=0, dtype=torch.float32)
+    cfg, sd = load_hf_checkpoint(src)
+    cfg.update(vocab_size=SMALL_VOCAB, bos_token_id=0, eos_token_id=1)
+    (src / "config.json").write_text(json.dumps(cfg))
+    sd = {k: v[:SMALL_VOCAB] if k in ("model.embed_tokens.weight", "lm_head.weight") else v for k, v in sd.items()}
+    return save_hf_checkpoint(sd, src, base / "tiny-small-vocab")
+
+
+def run_bench(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--iters", "1", "--warmup", "0", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_cpu_run_prints_table_passes_check_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run_bench("--shape", "tiny", "--shapes", "2x64,mixed4", "--json", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = r.stdout
+    assert "logprob agreement (ours vs torchtitan, all shapes): PASS" in text
+    assert text.count("logprob check: ") == 2 and text.count(" PASS\n") >= 2
+    assert "ours s" in text and "tt MFU" in text and "ours GiB" in text
+    assert "== 2x64:" in text and "sdpa [2, 64] causal" in text
+    assert "== mixed4:" in text and "right-padded" in text  # CPU: torchtitan's mixed batch is padded sdpa
+    data = json.loads(out.read_text())
+    assert data["logprob_agreement"] == "PASS" and data["ours_backend"] == "reference"
+    assert {"device", "peak_tflops", "model_args", "activation_checkpointing", "tolerances"} <= set(data)
+    assert set(data["shapes"]) == {"2x64", "mixed4"}
+    mixed = data["shapes"]["mixed4"]
+    assert mixed["lengths"] == bench_trainer.batch_lengths("mixed4") and mixed["tokens"] == sum(mixed["lengths"])
+    assert mixed["check"]["pass"] and mixed["check"]["rel_sum_diff"] <= bench_trainer.SUM_REL_TOL
+    for shape in data["shapes"].values():
+        for p in ("forward", "fwd_bwd"):
+            assert shape[p]["ours"]["s"] > 0 and shape[p]["torchtitan"]["s"] > 0 and shape[p]["ratio"] > 0
+            assert shape[p]["ours"]["tok_s"] == pytest.approx(shape["tokens"] / shape[p]["ours"]["s"])
+
+
+def test_packed_block_causal_layout_agrees_and_a_failing_pass_is_reported(small_vocab_ckpt):
+    """torchtitan packed [1, T] with block_causal documents (flex: the layout varlen uses on a GPU),
+    positions restarting per sequence. Flex has no CPU backward: torch may report that pass as an
+    error, and the bench goes on."""
+    r = run_bench("--model", str(small_vocab_ckpt), "--shapes", "mixed3", "--tt-attn", "flex",
+                  "--activation-checkpointing", "0")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"flex [1, {sum(bench_trainer.batch_lengths('mixed3'))}] packed, block_causal" in r.stdout
+    assert "logprob agreement (ours vs torchtitan, all shapes): PASS" in r.stdout
+
+
+def test_shapes_flops_and_argument_errors(capsys):
+    from compare.bench_attention_backward import batch_lengths as attention_bench_lengths
+
+    assert bench_trainer.batch_lengths("mixed64") == attention_bench_lengths("mixed64")
+    assert bench_trainer.batch_lengths("2x8192") == [8192, 8192]
+    a = SimpleNamespace(dim=2, n_heads=1, n_kv_heads=1, head_dim=2, hidden_dim=3, n_layers=1, vocab_size=5)
+    n_mm = 2 * 3 * 2 + 2 * 2 + 3 * 2 * 3 + 5 * 2  # qkv + o + gate/up/down + lm_head
+    assert bench_trainer.model_flops(a, [4]) == 2 * n_mm * 4 + 2 * 2 * 16 / 2 * 1 * 2
+    for argv, message in ((["--shapes", "8y3"], "use BxS"), (["--iters", "0"], "--iters must be >= 1"),
+                          (["--tt-attn", "dense"], "invalid choice")):
+        with pytest.raises(SystemExit) as e:
+            bench_trainer.parse_args(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
