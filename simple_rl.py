@@ -5,30 +5,32 @@
     python simple_rl.py --help
 
 Config: spirl/config.py. Run: spirl/run.py; step: spirl/trainer.py. Logs: runs/<run-name>/ (tensorboard --logdir runs).
+Progress is logged on stdout; stderr gets only the one line of an error (exit statuses: spirl/errors.py),
+and a traceback only for a bug or with --debug 1 / SPIRL_DEBUG=1.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
     from spirl.config import parse_args
+    from spirl.errors import set_debug
 
     cfg = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from spirl.checkpoint import CheckpointError
-    from spirl.tasks import TaskError
-    from spirl.run import ModelError, train
+    if getattr(cfg, "debug", 0):
+        set_debug(True)
+    from spirl.errors import log_to_stdout
 
-    try:
-        train(cfg)
-    except (ModelError, TaskError, CheckpointError) as e:  # setup problems: one line, no traceback
-        sys.stderr.write(f"error: {e}\n")
-        return 2
+    log_to_stdout("%(asctime)s %(name)s %(levelname)s %(message)s")
+    from spirl.run import train
+
+    train(cfg)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spirl.errors import run_cli
+
+    sys.exit(run_cli(main, debug_flag=False))

@@ -6,7 +6,8 @@
 
 Every checkpoint is validated against its own config.json before use: each expected tensor must
 be there with the shape the config implies, and nothing else may be. Problems raise `WeightsError`
-with one line saying what is wrong and what to do; the CLI prints that line and exits non-zero.
+with one line saying what is wrong and what to do; the CLI prints that line and exits with status 1
+(2 for bad arguments, 6 for I/O errors; see spirl/errors.py), a traceback only with --debug.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import argparse
 import json
 import logging
 import math
+import os
 import shutil
 import struct
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -417,15 +420,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="--random: generator seed (default 0)")
     p.add_argument("--dtype", choices=list(_CLI_DTYPES), default="bf16", help="--random: weight dtype (default bf16)")
     p.add_argument("--force", action="store_true", help="--random: replace a non-empty --out directory")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an error (also SPIRL_DEBUG=1)")
     return p
 
 
+# Exit statuses as in spirl/errors.py (weights.py sits below spirl in the import layering, so it
+# cannot import that module; tests/test_error_matrix.py checks that the shared numbers agree),
+# except that an unusable checkpoint keeps the status 1 this CLI has always had (spirl: 3).
+EXIT_CHECKPOINT, EXIT_USAGE, EXIT_IO, EXIT_BUG, EXIT_SIGINT = 1, 2, 6, 70, 130
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Errors: one line on stderr, status 1 (an unusable checkpoint or a failed download), 2
+    (arguments), 6 (I/O), 130 (Ctrl-C), 70 (a bug: the traceback is printed, as for every error
+    with --debug or SPIRL_DEBUG=1)."""
     parser = _parser()
     args = parser.parse_args(argv)
     if (args.random or args.download) and not args.out:
         parser.error("--out DIR is required with --random and --download")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    debug = args.debug or os.environ.get("SPIRL_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+
+    def fail(message: str, code: int, e: BaseException) -> int:
+        if debug or code == EXIT_BUG:
+            traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+        print(f"weights.py: error: {' '.join(message.split())}", file=sys.stderr)
+        return code
+
     try:
         if args.random:
             model_dir = write_random_checkpoint(args.out, args.random, num_layers=args.layers, seed=args.seed,
@@ -435,9 +456,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model_dir = Path(args.check)
         cfg, sd = load_hf_checkpoint(model_dir)
-    except (WeightsError, ConfigError, OSError) as e:
-        print(f"weights.py: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+    except (WeightsError, ConfigError) as e:
+        return fail(str(e), EXIT_CHECKPOINT, e)
+    except OSError as e:
+        where = f" {e.filename}" if e.filename else ""
+        return fail(f"cannot read or write{where} ({e.strerror or e}); check the path, its permissions and the "
+                    "free disk space", EXIT_IO, e)
+    except KeyboardInterrupt as e:
+        return fail("interrupted (a checkpoint being written is not left half-written)", EXIT_SIGINT, e)
+    except Exception as e:  # noqa: BLE001 - a bug: traceback, then one line
+        first = (str(e).strip().splitlines() or [""])[0]
+        return fail(f"internal error (a bug): {type(e).__name__}: {first}; please report it with the traceback above",
+                    EXIT_BUG, e)
     print(summarize(model_dir, cfg, sd))
     return 0
 

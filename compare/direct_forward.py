@@ -72,19 +72,27 @@ def filler_prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def main(argv=None) -> int:
+    """Errors: one line on stderr and the exit status of spirl/errors.py (run through run_cli)."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    import weights
-    from torchtitan_compat.tokenizer import load_tokenizer
+    from spirl.errors import log_to_stdout
 
+    log_to_stdout()
+    import weights
+    from spirl.errors import require_batch_invariant, require_cuda, require_vllm
+    from spirl.run import load_checked_tokenizer, validate_model_dir
+
+    require_batch_invariant(" (./run_comparison.sh sets it for you)")
+    require_vllm()
     model_dir = str(weights.resolve_model_dir(args.model))
-    tokenizer = load_tokenizer(model_dir)
+    validate_model_dir(model_dir)  # before anything reads it (the tokenizer, vLLM)
+    require_cuda("the parity check (vLLM and the trainer's vllm kernels)")
+    tokenizer = load_checked_tokenizer(Path(model_dir))
     ids = prompt_ids(args, tokenizer)
     harness = ParityHarness(HarnessConfig(model_dir, args.backend, args.swap_op, args.seed,
                                           args.gpu_memory_utilization))
     prompts = [ids] + filler_prompts(args.batch - 1, args.seed)
     samples = harness.generate(prompts, args.samples, args.max_tokens, args.temperature, args.seed)
-    report, trainer = harness.compare(samples)
+    report, trainer = harness.compare(samples, args.temperature)
     for i in range(args.samples):  # the user's prompt comes first: its samples are 0..n-1
         print(f"\nsample {i}: prompt {len(ids)} tokens, {len(samples[i].completion_ids)} generated")
         print("\n".join(format_rows(samples[i].completion_ids, samples[i].logprobs, trainer[i],
@@ -103,4 +111,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spirl.errors import run_cli
+
+    sys.exit(run_cli(main))

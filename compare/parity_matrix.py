@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from pathlib import Path
@@ -105,8 +104,9 @@ def main(argv=None) -> int:
     p.add_argument("--allow-batch-variant", action="store_true",
                    help="run without VLLM_BATCH_INVARIANT=1 (to show the check then fails)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-    logging.captureWarnings(True)
+    from spirl.errors import log_to_stdout
+
+    log_to_stdout()
     import weights
     from spirl.errors import require_batch_invariant, require_cuda, require_vllm
     from spirl.run import validate_model_dir

@@ -90,21 +90,18 @@ def main(argv=None) -> int:
     if not args.rollouts.is_file():
         p.error(f"--rollouts {args.rollouts}: no such file")
     from spirl.chat_format import ToolChatFormat
-    from torchtitan_compat.tokenizer import load_tokenizer
+    from spirl.run import load_checked_tokenizer, resolve_device, validate_model_dir
     from weights_vllm_compat import load_model
 
     import weights
 
     trajs, messages, tools = read_rollouts(args.rollouts)
-    try:
-        model_dir = weights.resolve_model_dir(args.model)
-    except weights.WeightsError as e:
-        p.error(f"--model: {e}")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    model_dir = weights.resolve_model_dir(args.model)
+    validate_model_dir(model_dir)  # before anything reads it
+    device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(model_dir, device=device, dtype=dtype, backend="auto" if device.type == "cuda" else "reference")
-    fmt = ToolChatFormat(load_tokenizer(model_dir), tools)
+    fmt = ToolChatFormat(load_checked_tokenizer(model_dir), tools)
     summary, regions = detect(trajs, messages, fmt, model, device, args.threshold)
     print("\n".join(format_table(regions, fmt.tokenizer, args.threshold, args.limit)))
     print()
@@ -113,4 +110,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from spirl.errors import run_cli
+
+    raise SystemExit(run_cli(main))

@@ -9,17 +9,22 @@ Layout under <checkpoint_dir>/<run_name>/:
 
 A step directory is written under a temporary name and renamed into place (atomic on one
 filesystem); `latest` is then replaced with os.replace. A crash at any point leaves the previous
-checkpoint intact and `latest` pointing to it. The newest KEEP complete checkpoints are kept.
-Everything is loaded with safetensors / JSON (no pickle).
+checkpoint intact and `latest` pointing to it; a write that fails (a full disk) removes the
+temporary directory and says so in one line (exit status 6). The newest KEEP complete checkpoints
+are kept. Everything is loaded with safetensors / JSON (no pickle); a checkpoint that cannot be
+read (truncated, missing files, not JSON) is a CheckpointError naming the file, found by
+`inspect` from the headers alone before anything is loaded.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,33 +50,60 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tens
 
 def save(run_ckpt_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
          optimizer: torch.optim.Optimizer, state: dict) -> Path:
-    """Write checkpoint `step` atomically; returns its directory."""
+    """Write checkpoint `step` atomically; returns its directory. On an OSError (a full disk, no
+    permission) nothing of this step is left behind, `latest` and the earlier checkpoints are as
+    they were, and a one-line UserError (exit status 6) says so."""
     root = Path(run_ckpt_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
     try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in masters.items()}, str(tmp / "model.safetensors"))
-        opt_tensors, groups = _optimizer_tensors(optimizer)
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-        rng = {"torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-        save_file(rng, str(tmp / "rng.safetensors"))
-        py_state = random.getstate()
-        _write_json(tmp / "state.json", {**state, "step": step, "param_groups": groups,
-                                          "python_rng": [py_state[0], list(py_state[1]), py_state[2]]})
-        tmp.chmod(0o755)
-        if final.exists():  # a stale one from an earlier run of the same name
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, root / "latest")
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
+        try:
+            save_file({k: v.detach().cpu().contiguous() for k, v in masters.items()}, str(tmp / "model.safetensors"))
+            opt_tensors, groups = _optimizer_tensors(optimizer)
+            save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+            rng = {"torch_cpu": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+            save_file(rng, str(tmp / "rng.safetensors"))
+            py_state = random.getstate()
+            _write_json(tmp / "state.json", {**state, "step": step, "param_groups": groups,
+                                              "python_rng": [py_state[0], list(py_state[1]), py_state[2]]})
+            tmp.chmod(0o755)
+            if final.exists():  # a stale one from an earlier run of the same name
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        latest_tmp = root / ".latest.tmp"
+        try:
+            latest_tmp.write_text(final.name + "\n")
+            os.replace(latest_tmp, root / "latest")
+        except OSError:
+            shutil.rmtree(final, ignore_errors=True)  # `latest` still names the previous one: drop this one
+            raise
+        finally:
+            latest_tmp.unlink(missing_ok=True)
+    except OSError as e:
+        from .errors import EXIT_IO, UserError
+
+        previous = _latest_name(root)
+        why = f"{e.strerror or e}: {e.filename}" if e.filename else f"{e.strerror or e}"
+        fix = "free disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix the permissions"
+        then = (f"the previous checkpoint {root / previous} is intact; {fix} or pass another --checkpoint-dir, "
+                f"then continue with --resume {root}") if previous else \
+            f"no earlier checkpoint exists; {fix} or pass another --checkpoint-dir"
+        raise UserError(f"could not write checkpoint {final} ({why}); nothing of it was kept, {then}", EXIT_IO) from e
     _prune(root, keep=KEEP)
     return final
+
+
+def _latest_name(root: Path) -> str | None:
+    try:
+        name = (root / "latest").read_text().strip()
+    except OSError:
+        return None
+    return name if name and (root / name / "state.json").is_file() else None
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -86,22 +118,82 @@ def resolve(path: str | Path) -> Path:
     if (p / "state.json").is_file():
         return p
     if (p / "latest").is_file():
-        return p / (p / "latest").read_text().strip()
-    raise CheckpointError(f"no checkpoint at {p}: pass a step_NNNNNN directory or a run checkpoint directory with a `latest` file")
+        name = (p / "latest").read_text().strip()
+        if not (p / name / "state.json").is_file():
+            raise CheckpointError(f"{p / 'latest'} names {name!r}, which is not a complete checkpoint; pass one of "
+                                  f"the step_NNNNNN directories in {p} to --resume")
+        return p / name
+    if p.is_dir() and any(p.glob("step_*")):
+        raise CheckpointError(f"{p} has no `latest` file; pass one of its step_NNNNNN directories to --resume")
+    raise CheckpointError(f"no checkpoint at {p}: pass a step_NNNNNN directory or a run checkpoint directory "
+                          "with a `latest` file")
+
+
+FILES = ("state.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors")
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    state: dict
+    """state.json as written (step, config, param_groups, reference, ...)."""
+    shapes: dict[str, tuple[int, ...]]
+    """Master weight names -> shapes, from model.safetensors' header."""
+    optimizer_shapes: dict[str, tuple[int, ...]]
+
+
+def _unusable(d: Path, what: str) -> CheckpointError:
+    earlier = sorted(p.name for p in d.parent.glob("step_*") if p.is_dir() and p != d)
+    hint = f"pass an earlier one ({', '.join(earlier)})" if earlier else "start the run without --resume"
+    return CheckpointError(f"checkpoint {d} is unusable: {what}; {hint}")
+
+
+def _header_shapes(d: Path, name: str) -> dict[str, tuple[int, ...]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(d / name), "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise _unusable(d, f"{name} is not a readable safetensors file ({' '.join(str(e).split())})") from None
+
+
+def inspect(path: str | Path) -> CheckpointInfo:
+    """Check a checkpoint can be read, from its files' headers alone (nothing is loaded)."""
+    d = resolve(path)
+    missing = [f for f in FILES if not (d / f).is_file()]
+    if missing:
+        raise _unusable(d, f"{', '.join(missing)} missing")
+    try:
+        state = json.loads((d / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _unusable(d, f"state.json is not valid JSON ({e})") from None
+    needed = [k for k in ("step", "param_groups", "python_rng") if k not in (state if isinstance(state, dict) else {})]
+    if needed:
+        raise _unusable(d, f"state.json lacks {', '.join(needed)}")
+    shapes = _header_shapes(d, "model.safetensors")
+    optimizer_shapes = _header_shapes(d, "optimizer.safetensors")
+    _header_shapes(d, "rng.safetensors")
+    return CheckpointInfo(d, state, shapes, optimizer_shapes)
 
 
 def load(path: str | Path, device) -> tuple[dict, dict[str, torch.Tensor], dict]:
     """(state.json, master weights on `device`, optimizer state dict ready for load_state_dict)."""
-    d = resolve(path)
-    state = json.loads((d / "state.json").read_text())
-    masters = load_file(str(d / "model.safetensors"), device=str(device))
-    flat = load_file(str(d / "optimizer.safetensors"), device=str(device))
-    opt_state: dict[int, dict] = {}
-    for key, t in flat.items():
-        i, name = key.split(".", 1)
-        # AdamW keeps `step` on the CPU unless capturable/fused; restore where it was saved from
-        opt_state.setdefault(int(i), {})[name] = t.cpu() if name == "step" else t
-    rng = load_file(str(d / "rng.safetensors"))
+    from safetensors import SafetensorError
+
+    d = inspect(path).path
+    try:
+        state = json.loads((d / "state.json").read_text())
+        masters = load_file(str(d / "model.safetensors"), device=str(device))
+        flat = load_file(str(d / "optimizer.safetensors"), device=str(device))
+        opt_state: dict[int, dict] = {}
+        for key, t in flat.items():
+            i, name = key.split(".", 1)
+            # AdamW keeps `step` on the CPU unless capturable/fused; restore where it was saved from
+            opt_state.setdefault(int(i), {})[name] = t.cpu() if name == "step" else t
+        rng = load_file(str(d / "rng.safetensors"))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise _unusable(d, f"{type(e).__name__}: {' '.join(str(e).split())}") from None
     state["_rng"] = rng
     return state, masters, {"state": opt_state, "param_groups": state["param_groups"]}
 

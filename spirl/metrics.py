@@ -1,14 +1,15 @@
 """Per-step metrics: TensorBoard scalars, one JSON line per step, run metadata, a console line.
 
 Everything goes under <out_dir>/<run_name>/ (TensorBoard event files, metrics.jsonl,
-run_metadata.json); both writers are flushed after every step so a crash loses nothing logged.
+run_metadata.json); both writers are flushed after every step so a crash loses nothing logged,
+and a resumed run drops the lines of steps after its checkpoint before logging them again.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
+import os
 import platform
 import re
 from pathlib import Path
@@ -22,24 +23,6 @@ def layer_of(param_name: str) -> str:
     """'layers.3.attention.qkv_proj.weight' -> 'layers.3'; 'tok_embeddings.weight' -> 'tok_embeddings'."""
     m = re.match(r"(layers\.\d+)\.", param_name)
     return m.group(1) if m else param_name.split(".")[0]
-
-
-@torch.no_grad()
-def weight_deltas(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per layer: ||W_t - W_{t-1}|| and that / ||W_{t-1}|| over all of the layer's fp32 weights."""
-    diff_sq: dict[str, float] = {}
-    prev_sq: dict[str, float] = {}
-    for name, w in cur.items():
-        layer = layer_of(name)
-        p = prev[name].double()
-        diff_sq[layer] = diff_sq.get(layer, 0.0) + float((w.double() - p).pow(2).sum())
-        prev_sq[layer] = prev_sq.get(layer, 0.0) + float(p.pow(2).sum())
-    out = {}
-    for layer, d in diff_sq.items():
-        mag = math.sqrt(d)
-        out[f"weight_delta/{layer}/magnitude"] = mag
-        out[f"weight_delta/{layer}/relative_change"] = mag / max(math.sqrt(prev_sq[layer]), 1e-30)
-    return out
 
 
 def versions() -> dict[str, str | None]:
@@ -59,16 +42,44 @@ def gpu_name() -> str | None:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, metadata: dict):
+    """`resume_step`: the run continues from that step's checkpoint, so lines of later steps in an
+    existing metrics.jsonl (logged after that checkpoint, then lost with the interrupted run) and
+    any cut-off last line are dropped; the resumed run logs those steps again. Both writers are
+    flushed after every step; `close` may be called more than once."""
+
+    def __init__(self, run_dir: str | Path, metadata: dict, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         meta = {**metadata, "versions": versions(), "gpu": gpu_name()}
         (self.run_dir / "run_metadata.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+        if resume_step is not None:
+            self._truncate_after(resume_step)
         self.tb = SummaryWriter(log_dir=str(self.run_dir))
         # append: a resumed run under the same name continues the same file
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self._closed = False
+
+    def _truncate_after(self, step: int) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept, dropped = [], 0
+        for line in path.read_text().splitlines():
+            try:
+                ok = json.loads(line)["step"] <= step
+            except (json.JSONDecodeError, KeyError, TypeError):
+                ok = False
+            if ok:
+                kept.append(line)
+            else:
+                dropped += 1
+        if dropped:
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+            log.info("metrics.jsonl: dropped %d line(s) after step %d (the run resumes from there)", dropped, step)
 
     def log_step(self, step: int, scalars: dict[str, float], total_steps: int) -> None:
         for k, v in scalars.items():
@@ -90,5 +101,10 @@ class MetricsLogger:
                      int(scalars.get("retok/smoking_guns", -1)))
 
     def close(self) -> None:
-        self.tb.close()
-        self.jsonl.close()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.jsonl.close()
+        finally:
+            self.tb.close()

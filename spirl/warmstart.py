@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -94,16 +93,21 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.lr <= 0:
         p.error("--steps and --batch must be >= 1 and --lr > 0")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-    from .run import ModelError, resolve_device, resolve_model
+    from .errors import log_to_stdout
 
-    try:
-        model_dir = resolve_model(args.model, args.checkpoint_dir)
-    except ModelError as e:
-        p.error(str(e))
-    warmstart(model_dir, args.out, args.steps, args.batch, args.lr, args.seed, resolve_device(args.device))
+    log_to_stdout()
+    from .errors import require_writable_dir
+    from .run import resolve_device, resolve_model, validate_model_dir
+
+    require_writable_dir(args.out, "--out")
+    device = resolve_device(args.device)
+    model_dir = resolve_model(args.model, args.checkpoint_dir)
+    validate_model_dir(model_dir)
+    warmstart(model_dir, args.out, args.steps, args.batch, args.lr, args.seed, device)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from .errors import run_cli
+
+    raise SystemExit(run_cli(main))

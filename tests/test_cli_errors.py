@@ -38,37 +38,41 @@ def _shrink_q_proj(sd):
 
 @pytest.fixture(scope="module")
 def cli_runs(tiny_ckpt, tmp_path_factory):
-    """case -> (expected stderr fragment, exit code, stdout, stderr) of `python weights.py ...`."""
+    """case -> (expected stderr fragment, expected status, exit code, stdout, stderr) of `python weights.py ...`."""
     tmp = tmp_path_factory.mktemp("cli")
     llama = tmp / "llama"
     llama.mkdir()
     cfg = json.loads((tiny_ckpt / "config.json").read_text())
     (llama / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     cases = {
-        "missing_dir": (["--check", str(tmp / "nope")], "does not exist"),
-        "non_qwen3_config": (["--check", str(llama)], "model_type='llama'"),
+        "missing_dir": (["--check", str(tmp / "nope")], "does not exist", 1),
+        "non_qwen3_config": (["--check", str(llama)], "model_type='llama'", 1),
         "missing_tensor": (["--check", str(_broken_checkpoint(tiny_ckpt, tmp / "missing", _drop_norm))],
-                           "missing 1 tensor(s): model.layers.1.post_attention_layernorm.weight"),
+                           "missing 1 tensor(s): model.layers.1.post_attention_layernorm.weight", 1),
         "wrong_shape": (["--check", str(_broken_checkpoint(tiny_ckpt, tmp / "shape", _shrink_q_proj))],
-                        "model.layers.0.self_attn.q_proj.weight has shape [8, 128]"),
-        "unknown_random_shape": (["--random", "Qwen3-999B", "--out", str(tmp / "x")], "invalid choice: 'Qwen3-999B'"),
+                        "model.layers.0.self_attn.q_proj.weight has shape [8, 128]", 1),
+        "unknown_random_shape": (["--random", "Qwen3-999B", "--out", str(tmp / "x")],
+                                 "invalid choice: 'Qwen3-999B'", 2),
+        "out_under_a_file": (["--random", "tiny", "--layers", "1", "--out", str(tmp / "x" / "ck")],
+                             "cannot read or write", 6),
     }
+    (tmp / "x").write_text("a file, not a directory")
     # Start every process first, then wait: they run in parallel.
     procs = {name: subprocess.Popen([sys.executable, "weights.py", *argv], cwd=REPO_ROOT, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name, (argv, _) in cases.items()}
+             for name, (argv, _, _) in cases.items()}
     results = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=300)
-        results[name] = (cases[name][1], proc.returncode, out, err)
+        results[name] = (cases[name][1], cases[name][2], proc.returncode, out, err)
     return results
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "non_qwen3_config", "missing_tensor", "wrong_shape",
-                                  "unknown_random_shape"])
+                                  "unknown_random_shape", "out_under_a_file"])
 def test_bad_input_is_one_line_on_stderr(cli_runs, case):
-    fragment, rc, out, err = cli_runs[case]
-    assert rc != 0
+    fragment, status, rc, out, err = cli_runs[case]
+    assert rc == status, (rc, err)
     assert len(err.splitlines()) == 1, err
     assert "Traceback" not in err and fragment in err, err
 
@@ -109,3 +113,27 @@ def test_random_cli_writes_a_checkpoint(tmp_path, capsys):
     assert "Qwen3, 1 layers" in capsys.readouterr().out
     cfg, sd = weights.load_hf_checkpoint(tmp_path / "ck")
     assert cfg["num_hidden_layers"] == 1 and sd["model.norm.weight"].dtype == torch.float32
+
+
+def test_transformers_notices_go_to_stdout_not_stderr(capsys):
+    """Some transformers versions print a notice on stderr when loading any local tokenizer (seen on
+    the GPU host: "...with an incorrect regex pattern..."), which made a one-line error two lines.
+    After log_to_stdout(), transformers' logger propagates to the stdout handler instead."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from spirl.errors import log_to_stdout
+
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = []
+    try:
+        log_to_stdout()
+        hf_logging.get_logger("transformers.tokenization_utils_tokenizers").warning("tokenizer notice")
+        out, err = capsys.readouterr()
+    finally:
+        root.handlers = saved
+        hf_logging.enable_default_handler()
+        hf_logging.disable_propagation()
+    assert "tokenizer notice" in out and "tokenizer notice" not in err

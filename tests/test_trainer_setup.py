@@ -120,3 +120,13 @@ def test_head_dims_vllm_cannot_serve_consistently_are_refused(tmp_path, head_dim
     cfg["head_dim"] = 128
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     check_model_supported(str(tmp_path))
+
+
+def test_top_k_top_p_warn_that_training_is_off_policy(tiny_ckpt, tmp_path, caplog):
+    from spirl.run import train
+
+    with caplog.at_level("WARNING", logger="spirl.run"):
+        hist = train(_cfg(tiny_ckpt, tmp_path, logprobs="raw", top_k=50, top_p=0.9, steps=1, max_new_tokens=2,
+                          kl_coef=0.0, run_name="topk"))
+    assert hist[0]["parity/tokens_different"] == 0
+    assert any("off-policy" in r.getMessage() for r in caplog.records)

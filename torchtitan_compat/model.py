@@ -145,7 +145,3 @@ class Qwen3VLLMCompatModel(nn.Module):
     def forward(self, tokens, positions, cu_seqlens, max_seqlen=None) -> torch.Tensor:
         h = self.hidden_states(tokens, positions, cu_seqlens, max_seqlen)
         return bib.linear(h, self.output_weight(), self.backend)
-
-    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """float32 [T] log p(targets[i] | prefix) from logits [T, V], computed as vLLM's sampler does."""
-        return bib.token_logprobs(logits, targets, self.backend)

@@ -1,0 +1,182 @@
+"""Will the run fit on the GPU? A conservative estimate of the trainer's peak, checked before anything is loaded.
+
+`estimate(model_args, cfg, gpu_total_bytes)` needs no GPU (the caller passes the device's total
+bytes), so it is tested on the CPU. `check(...)` raises a one-line UserError (exit status 5)
+naming the flag to change when the estimate exceeds the GPU. simple_rl.py calls it when the
+trainer runs on CUDA, with torch.cuda.get_device_properties(device).total_memory.
+
+What is counted (P = parameters, c = bytes per element of the compute dtype: 2 for bf16):
+    fp32 master weights                 4 P
+    compute-dtype model                 c P
+    reference policy                    c P    only when kl_coef > 0
+    AdamW state (exp_avg, exp_avg_sq)   8 P
+    fp32 gradients of the masters       4 P
+    compute-dtype gradients             c P    transient, per micro-batch
+    activations of one micro-batch of T tokens (T: below), c bytes per element:
+        with activation checkpointing: each decoder layer's input [T, dim] x n_layers, plus one
+        layer's activations and their gradients (2 x A);
+        without: every layer's activations (n_layers x A) plus one layer's gradients (A);
+        A = T x (2 q + 3 kv + 4 hidden_dim + 6 dim) elements per layer (q = n_heads x head_dim,
+        kv = n_kv_heads x head_dim: the qkv projection, normed/rotated q and k, the attention
+        output, the gate/up projection and SiLU-and-mul, norms, residuals, projections)
+    lm_head logits of the micro-batch's rows in fp32: T x vocab x 4 B, x 2 for the backward
+        (x 3 of one chunk instead when lm_head runs in chunks of `logits_chunk_elements`)
+    vLLM's share                        gpu_memory_utilization x GPU total (engine vllm; not
+                                        during training with --vllm-sleep 1)
+    fixed overhead                      1 GiB (CUDA context, GEMM workspaces, allocator slack)
+T = the tokens one micro-batch can hold: min(max(max_tokens_per_microbatch, L), S x L), where L
+is the longest sequence (prompt + completion; max_model_len when the prompts are not known) and
+S the sequences of one mini-batch (prompts_per_step x group_size / updates_per_batch).
+It is an upper bound on purpose: a run it accepts should not run out of memory; one it refuses
+names the one change that makes the estimate fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+GIB = 2**30
+OVERHEAD_BYTES = 1 * GIB
+SLEEPING_VLLM_BYTES = GIB // 2
+"""What a sleeping vLLM engine keeps on the GPU (CUDA graphs pool, its context): a guess."""
+MIN_VLLM_KV_BYTES = GIB // 2
+"""The least KV cache worth starting vLLM with, on top of its bf16 weights."""
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class MemoryEstimate:
+    parts: dict[str, int] = field(default_factory=dict)
+    """Bytes per item of the peak, in the order of the module docstring."""
+    gpu_total: int = 0
+    tokens_per_microbatch: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu_total
+
+    def summary(self) -> str:
+        """'masters 4.0 + ... GiB' in one line."""
+        return " + ".join(f"{k} {v / GIB:.1f}" for k, v in self.parts.items() if v) + " GiB"
+
+
+def param_count(args) -> int:
+    """Parameters of a Qwen3 model from torchtitan's Qwen3ModelArgs."""
+    d, dh, inter = args.dim, args.head_dim, args.hidden_dim
+    q, kv = args.n_heads * dh, args.n_kv_heads * dh
+    per_layer = d * (q + 2 * kv) + q * d + 2 * dh + 2 * d + 3 * d * inter
+    head = 0 if args.enable_weight_tying else args.vocab_size * d
+    return args.vocab_size * d + args.n_layers * per_layer + d + head
+
+
+def tokens_per_microbatch(cfg, max_seq_len: int) -> int:
+    seqs = max(1, cfg.prompts_per_step * cfg.group_size // max(1, cfg.updates_per_batch))
+    return min(max(cfg.max_tokens_per_microbatch, max_seq_len), seqs * max_seq_len)
+
+
+def estimate(args, cfg, gpu_total_bytes: int, max_seq_len: int | None = None,
+             logits_chunk_elements: int | None = None) -> MemoryEstimate:
+    """The trainer's peak GPU memory for model `args` under TrainConfig `cfg` (see the module
+    docstring). `max_seq_len`: the longest prompt + completion if known (else cfg.max_model_len
+    or 4096). `logits_chunk_elements`: lm_head's chunk size in logit elements when it is chunked."""
+    c = _DTYPE_BYTES.get(cfg.dtype, 4)
+    p = param_count(args)
+    length = max_seq_len or getattr(cfg, "max_model_len", 4096)
+    t = tokens_per_microbatch(cfg, length)
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    layer = t * (2 * q + 3 * kv + 4 * args.hidden_dim + 6 * args.dim) * c
+    if cfg.activation_checkpointing:
+        activations = args.n_layers * t * args.dim * c + 2 * layer
+    else:
+        activations = args.n_layers * layer + layer
+    activations += 2 * t * args.dim * 4  # final hidden states and their gradient
+    rows = t * args.vocab_size
+    logits = 3 * min(rows, logits_chunk_elements) * 4 if logits_chunk_elements else 2 * rows * 4
+    vllm = 0
+    if cfg.engine == "vllm":
+        share = int(cfg.gpu_memory_utilization * gpu_total_bytes)
+        vllm = SLEEPING_VLLM_BYTES if getattr(cfg, "vllm_sleep", 0) else share
+    parts = {
+        "fp32 masters": 4 * p,
+        "compute model": c * p,
+        "reference": c * p if cfg.kl_coef > 0 else 0,
+        "AdamW state": 8 * p,
+        "fp32 grads": 4 * p,
+        "compute grads": c * p,
+        "activations": activations,
+        "logits": logits,
+        "vLLM": vllm,
+        "overhead": OVERHEAD_BYTES,
+    }
+    est = MemoryEstimate(parts, int(gpu_total_bytes), t)
+    if cfg.engine == "vllm" and getattr(cfg, "vllm_sleep", 0):
+        # the rollout phase: vLLM awake with its whole share, no gradients or activations
+        rollout = sum(parts[k] for k in ("fp32 masters", "compute model", "reference", "AdamW state", "overhead"))
+        rollout += int(cfg.gpu_memory_utilization * gpu_total_bytes)
+        if rollout > est.total:
+            est.parts["vLLM"] += rollout - est.total
+    return est
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _suggestions(args, cfg, gpu_total: int, **kw) -> list[str]:
+    """Single flag changes (in order of least effect on the run) that make the estimate fit."""
+    fits = lambda **change: estimate(args, replace(cfg, **change), gpu_total, **kw).fits  # noqa: E731
+    out = []
+    if not cfg.activation_checkpointing and fits(activation_checkpointing=1):
+        out.append("set --activation-checkpointing 1")
+    budget = cfg.max_tokens_per_microbatch // 2
+    while budget >= 256:
+        if fits(max_tokens_per_microbatch=budget):
+            out.append(f"lower --max-tokens-per-microbatch to {budget} (now {cfg.max_tokens_per_microbatch})")
+            break
+        budget //= 2
+    if cfg.engine == "vllm":
+        if hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep and fits(vllm_sleep=1):
+            out.append("set --vllm-sleep 1")
+        floor = (2 * param_count(args) + MIN_VLLM_KV_BYTES + OVERHEAD_BYTES) / gpu_total
+        util = round(cfg.gpu_memory_utilization - 0.05, 2)
+        while util >= max(floor, 0.05):
+            if fits(gpu_memory_utilization=util):
+                out.append(f"lower --gpu-memory-utilization to {util:.2f} (now {cfg.gpu_memory_utilization})")
+                break
+            util = round(util - 0.05, 2)
+    if cfg.kl_coef > 0 and fits(kl_coef=0.0):
+        out.append("set --kl-coef 0 (no reference copy)")
+    return out
+
+
+def check(args, cfg, gpu_total_bytes: int, gpu_name: str = "the GPU", **kw) -> MemoryEstimate:
+    """The estimate, or a one-line UserError (exit 5) naming the flag to change if it does not fit."""
+    from .errors import EXIT_MEMORY, UserError
+
+    est = estimate(args, cfg, gpu_total_bytes, **kw)
+    if est.fits:
+        return est
+    head = (f"the run needs about {est.total / GIB:.1f} GiB of GPU memory but {gpu_name} has "
+            f"{gpu_total_bytes / GIB:.1f} GiB ({est.summary()}; {est.tokens_per_microbatch} tokens per micro-batch)")
+    fixes = _suggestions(args, cfg, gpu_total_bytes, **kw)
+    if fixes:
+        raise UserError(f"{head}: {'; or '.join(fixes)}", EXIT_MEMORY)
+    all_changes = dict(activation_checkpointing=1, max_tokens_per_microbatch=256, kl_coef=0.0)
+    if cfg.engine == "vllm":
+        all_changes["gpu_memory_utilization"] = 0.05
+        if hasattr(cfg, "vllm_sleep"):
+            all_changes["vllm_sleep"] = 1
+    least = estimate(args, replace(cfg, **all_changes), gpu_total_bytes, **kw)
+    if least.fits:
+        together = ([] if cfg.activation_checkpointing else ["set --activation-checkpointing 1"]) + \
+            (["set --kl-coef 0"] if cfg.kl_coef > 0 else []) + ["lower --max-tokens-per-microbatch"]
+        if cfg.engine == "vllm":
+            together += (["set --vllm-sleep 1"] if hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep else []) + \
+                ["lower --gpu-memory-utilization"]
+        raise UserError(f"{head}: no single flag is enough: {', '.join(together)} together", EXIT_MEMORY)
+    raise UserError(f"{head}: the weights and optimizer state alone do not fit; use a GPU with more memory or a "
+                    "smaller model", EXIT_MEMORY)

@@ -1,0 +1,127 @@
+"""spirl.memory_plan: the GPU memory estimate (by hand on a small shape, exact parameter counts), and
+the one-line refusals that name the flag to change. No GPU needed: the device's bytes are passed in."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import pytest
+
+from spirl import memory_plan as mp
+from spirl.config import TrainConfig
+from spirl.errors import EXIT_MEMORY, UserError
+from torchtitan_compat.config import hf_config_for_shape, model_args_from_hf_config
+
+GIB = 2**30
+
+
+def args_of(shape: str, layers: int | None = None):
+    return model_args_from_hf_config(hf_config_for_shape(shape, layers))
+
+
+@pytest.mark.parametrize("shape", ["tiny", "Qwen3-0.6B", "Qwen3-1.7B"])
+def test_param_count_is_the_checkpoints(shape):
+    from weights import expected_hf_shapes
+
+    a = args_of(shape, 2)
+    assert mp.param_count(a) == sum(math.prod(s) for s in expected_hf_shapes(a).values())
+
+
+def test_estimate_by_hand():
+    """tiny (dim 128, 2 layers, 4 heads / 2 kv heads x 128, hidden 384, vocab 151936, untied),
+    float32, every part written out."""
+    a = args_of("tiny")
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim, a.vocab_size) == \
+        (128, 2, 4, 2, 128, 384, 151936) and not a.enable_weight_tying
+    p = mp.param_count(a)
+    cfg = TrainConfig(engine="vllm", dtype="float32", kl_coef=0.1, prompts_per_step=2, group_size=4,
+                      updates_per_batch=1, max_tokens_per_microbatch=100, activation_checkpointing=1,
+                      gpu_memory_utilization=0.25)
+    est = mp.estimate(a, cfg, 64 * GIB, max_seq_len=30)
+    t = 100  # min(max(100, 30), 8 sequences x 30 = 240)
+    assert est.tokens_per_microbatch == t
+    layer = t * (2 * 512 + 3 * 256 + 4 * 384 + 6 * 128) * 4  # q = 512, kv = 256 elements per token
+    assert est.parts == {
+        "fp32 masters": 4 * p, "compute model": 4 * p, "reference": 4 * p, "AdamW state": 8 * p,
+        "fp32 grads": 4 * p, "compute grads": 4 * p,
+        "activations": 2 * t * 128 * 4 + 2 * layer + 2 * t * 128 * 4,
+        "logits": 2 * t * 151936 * 4, "vLLM": 16 * GIB, "overhead": GIB,
+    }
+    assert est.total == sum(est.parts.values()) and est.fits
+    # without activation checkpointing: every layer's activations, plus one layer's gradients
+    no_ckpt = mp.estimate(a, dataclasses.replace(cfg, activation_checkpointing=0), 64 * GIB, max_seq_len=30)
+    assert no_ckpt.parts["activations"] == 2 * layer + layer + 2 * t * 128 * 4
+    # lm_head in chunks: three chunk-sized float32 temporaries at most
+    chunked = mp.estimate(a, cfg, 64 * GIB, max_seq_len=30, logits_chunk_elements=1 << 20)
+    assert chunked.parts["logits"] == 3 * (1 << 20) * 4
+    # no KL term: no reference copy; the native engine: no vLLM share
+    assert mp.estimate(a, dataclasses.replace(cfg, kl_coef=0.0), 64 * GIB, max_seq_len=30).parts["reference"] == 0
+    assert mp.estimate(a, dataclasses.replace(cfg, engine="native"), 64 * GIB, max_seq_len=30).parts["vLLM"] == 0
+
+
+def test_tokens_per_microbatch_bounds():
+    cfg = TrainConfig(prompts_per_step=8, group_size=8, updates_per_batch=2, max_tokens_per_microbatch=1000)
+    assert mp.tokens_per_microbatch(cfg, 50) == 1000  # 32 sequences x 50 = 1600 > budget
+    assert mp.tokens_per_microbatch(cfg, 20) == 640  # the whole mini-batch is smaller than the budget
+    assert mp.tokens_per_microbatch(cfg, 3000) == 3000  # a longer sequence gets a micro-batch of its own
+
+
+def test_default_run_fits_an_h100_but_not_a_small_gpu():
+    a = args_of("Qwen3-1.7B")
+    cfg = TrainConfig()  # vLLM, bf16, 8 x 8 completions of 16 tokens
+    est = mp.check(a, cfg, 80 * GIB, max_seq_len=60)
+    assert est.fits and 50 * GIB < est.total < 80 * GIB
+    with pytest.raises(UserError) as e:
+        mp.check(a, cfg, 24 * GIB, "cuda:0 (RTX)", max_seq_len=60)
+    assert e.value.exit_code == EXIT_MEMORY
+    msg = str(e.value)
+    assert "\n" not in msg and re.search(r"needs about [\d.]+ GiB of GPU memory but cuda:0 \(RTX\) has 24\.0 GiB", msg)
+    assert "weights and optimizer state alone do not fit" in msg
+
+
+CHUNKED = dict(max_seq_len=300, logits_chunk_elements=1 << 27)
+
+
+@pytest.mark.parametrize("change, gpu_gib, flag", [
+    (dict(activation_checkpointing=0), 30, r"set --activation-checkpointing 1"),
+    (dict(max_tokens_per_microbatch=65536, prompts_per_step=64), 24, r"lower --max-tokens-per-microbatch to \d+"),
+    (dict(gpu_memory_utilization=0.6), 24, r"lower --gpu-memory-utilization to 0\.\d+ \(now 0\.6\)"),
+    (dict(kl_coef=0.1, engine="native", dtype="float32"), 22, r"set --kl-coef 0"),
+    pytest.param(dict(gpu_memory_utilization=0.6), 24, r"set --vllm-sleep 1",
+                 marks=pytest.mark.skipif(not hasattr(TrainConfig(), "vllm_sleep"), reason="no --vllm-sleep")),
+])
+def test_refusal_names_the_flag_that_makes_it_fit(change, gpu_gib, flag):
+    a = args_of("Qwen3-0.6B")
+    cfg = dataclasses.replace(TrainConfig(), **change)
+    assert mp.estimate(a, cfg, 80 * GIB, **CHUNKED).fits  # it is the GPU that is too small
+    with pytest.raises(UserError) as e:
+        mp.check(a, cfg, gpu_gib * GIB, "cuda:0 (GPU)", **CHUNKED)
+    msg = str(e.value)
+    assert e.value.exit_code == EXIT_MEMORY and "\n" not in msg and re.search(flag, msg), msg
+    # the change it names does make the estimate fit
+    name, value = re.search(r"--([a-z-]+) (?:to )?([\d.]+)", re.search(flag, msg).group(0)).groups()
+    field = name.replace("-", "_")
+    fixed = dataclasses.replace(cfg, **{field: type(getattr(cfg, field))(float(value))})
+    assert mp.estimate(a, fixed, gpu_gib * GIB, **CHUNKED).fits
+
+
+def test_refusal_when_no_single_flag_is_enough():
+    a = args_of("Qwen3-0.6B")
+    cfg = TrainConfig(activation_checkpointing=0, kl_coef=0.1)
+    with pytest.raises(UserError) as e:
+        mp.check(a, cfg, 16 * GIB, **CHUNKED)
+    assert re.search(r"no single flag is enough: set --activation-checkpointing 1, set --kl-coef 0, lower "
+                     r"--max-tokens-per-microbatch.* together$", str(e.value)), str(e.value)
+
+
+def test_more_tokens_or_no_checkpointing_never_need_less():
+    a = args_of("tiny")
+    base = TrainConfig(prompts_per_step=64, group_size=8)
+    sizes = [mp.estimate(a, dataclasses.replace(base, max_tokens_per_microbatch=b), 80 * GIB, max_seq_len=200).total
+             for b in (256, 1024, 4096, 16384)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    on = mp.estimate(a, base, 80 * GIB, max_seq_len=200)
+    off = mp.estimate(a, dataclasses.replace(base, activation_checkpointing=0), 80 * GIB, max_seq_len=200)
+    assert off.parts["activations"] > on.parts["activations"]
