@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     log_to_stdout()
     import weights
     from spirl.errors import require_batch_invariant, require_cuda, require_vllm
-    from spirl.run import load_checked_tokenizer, validate_model_dir
+    from spirl.preflight import load_checked_tokenizer, validate_model_dir
 
     require_batch_invariant(" (./run_comparison.sh sets it for you)")
     require_vllm()

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     log_to_stdout()
     import weights
     from spirl.errors import require_batch_invariant, require_cuda, require_vllm
-    from spirl.run import validate_model_dir
+    from spirl.preflight import validate_model_dir
 
     if not args.allow_batch_variant:
         require_batch_invariant(" (or pass --allow-batch-variant to show that the check then fails)")

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     if not args.rollouts.is_file():
         p.error(f"--rollouts {args.rollouts}: no such file")
     from spirl.chat_format import ToolChatFormat
-    from spirl.run import load_checked_tokenizer, resolve_device, validate_model_dir
+    from spirl.preflight import load_checked_tokenizer, resolve_device, validate_model_dir
     from weights_vllm_compat import load_model
 
     import weights

@@ -87,7 +87,7 @@ _KNOWN: list[tuple[str, str, int, str]] = [
     ("torchtitan_compat.config", "ConfigError", EXIT_MODEL, ""),
     ("torchtitan_compat.tokenizer", "TokenizerError", EXIT_MODEL, ""),
     ("weights", "WeightsError", EXIT_MODEL, ""),
-    ("spirl.run", "ModelError", EXIT_MODEL, ""),
+    ("spirl.preflight", "ModelError", EXIT_MODEL, ""),
     ("spirl.checkpoint", "CheckpointError", EXIT_MODEL, ""),
     ("torchtitan_compat.ops", "BackendError", EXIT_ENVIRONMENT, ""),
     ("spirl.trainer", "ParityError", EXIT_PARITY,

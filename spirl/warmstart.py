@@ -97,7 +97,7 @@ def main(argv=None) -> int:
 
     log_to_stdout()
     from .errors import require_writable_dir
-    from .run import resolve_device, resolve_model, validate_model_dir
+    from .preflight import resolve_device, resolve_model, validate_model_dir
 
     require_writable_dir(args.out, "--out")
     device = resolve_device(args.device)

@@ -176,7 +176,7 @@ def bad_dirs(tiny: Path, root: Path) -> dict[str, Path]:
 
 def fake_checkpoints(tiny: Path, root: Path) -> dict[str, Path]:
     """--resume inputs: corrupt ones, one from another model, one from another reference model."""
-    from spirl.run import model_fingerprint, validate_model_dir
+    from spirl.preflight import model_fingerprint, validate_model_dir
     from weights_vllm_compat import expected_compat_shapes
 
     _, args = validate_model_dir(tiny)
