@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from spirl.engines.base import Sample
-from spirl.engines.vllm_engine import VLLMEngineConfig
-from spirl.parity import RAW, ParityReport, SamplingDist, compare_logprobs, sampled_logprobs
+from spirl.engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngineConfig
+from spirl.parity import RAW, ParityReport, SamplingDist, compare_logprobs, logprob_dist, sampled_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class ParityHarness:
         self.engine = VLLMEngine(VLLMEngineConfig(
             cfg.model_dir, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
             require_batch_invariant=not cfg.allow_batch_variant, cuda_graphs=cfg.cuda_graphs,
-            logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs"))
+            logprobs_mode=VLLM_LOGPROBS_MODE[cfg.logprobs]))
         backend = cfg.backend
         if backend == "vllm":
             from torchtitan_compat.vllm_ops import VLLMBackend
@@ -83,7 +83,7 @@ class ParityHarness:
 
     def dist(self, temperature: float, min_p: float = 0.0) -> SamplingDist:
         """The distribution the engine's logprobs are of, for samples drawn with these settings."""
-        return SamplingDist(temperature, min_p) if self.cfg.logprobs == "sampling" else RAW
+        return logprob_dist(self.cfg.logprobs, temperature, min_p)
 
     @torch.no_grad()
     def trainer_logprobs(self, samples: list[Sample], dist: SamplingDist = RAW) -> list[torch.Tensor]:

@@ -51,6 +51,12 @@ class SamplingDist:
 RAW = SamplingDist()
 
 
+def logprob_dist(mode: str, temperature: float, min_p: float = 0.0) -> SamplingDist:
+    """The distribution a `--logprobs` mode (`sampling` or `raw`) names, for samples drawn with
+    these settings."""
+    return SamplingDist(temperature, min_p) if mode == "sampling" else RAW
+
+
 def _sampled_rows_hidden(model, seqs: list[Sample], device):
     """(final hidden states [N, K] of the rows that predict sampled tokens, those tokens [N], sizes).
 

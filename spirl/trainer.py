@@ -49,10 +49,10 @@ from .loss import grpo_advantages, grpo_loss, pad
 from .multiturn import episode_metrics, run_episodes
 from .optim import build_adamw, step_with_deltas
 from .parity import (
-    RAW,
     ParityReport,
     SamplingDist,
     compare_logprobs,
+    logprob_dist,
     sampled_logprobs,
     sampled_logprobs_and_entropy,
 )
@@ -99,7 +99,6 @@ class Policy:
             p.grad = None
 
 
-
 def build_policy(model_dir: Path, cfg: TrainConfig, device: torch.device) -> Policy:
     from weights_vllm_compat import load_model
 
@@ -116,7 +115,7 @@ def build_policy(model_dir: Path, cfg: TrainConfig, device: torch.device) -> Pol
 
 def sampling_dist(cfg: TrainConfig) -> SamplingDist:
     """The distribution whose logprobs engine and trainer compare and train on (--logprobs)."""
-    return SamplingDist(cfg.temperature, cfg.min_p) if cfg.logprobs == "sampling" else RAW
+    return logprob_dist(cfg.logprobs, cfg.temperature, cfg.min_p)
 
 
 def build_engine(cfg: TrainConfig, model_dir: Path, policy: Policy):
@@ -124,12 +123,12 @@ def build_engine(cfg: TrainConfig, model_dir: Path, policy: Policy):
         from .engines.native_engine import NativeEngine
 
         return NativeEngine(policy.model, EOS_IDS, logprobs=cfg.logprobs)
-    from .engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from .engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngine, VLLMEngineConfig
 
     return VLLMEngine(VLLMEngineConfig(
         str(model_dir), seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
         max_model_len=cfg.max_model_len, cuda_graphs="none" if cfg.eager else "full_decode_only",
-        logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs",
+        logprobs_mode=VLLM_LOGPROBS_MODE[cfg.logprobs],
         sleep_between_rollouts=bool(cfg.vllm_sleep)))
 
 
@@ -309,15 +308,16 @@ def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, 
         del trainer_lps
     if hasattr(engine, "sleep"):
         engine.sleep()  # free the KV cache while the trainer trains (--vllm-sleep)
-    with timed(times, "reference"), torch.no_grad():
-        ref_lps = None if policy.ref is None else [
-            x.float().cpu() for x in sampled_logprobs(policy.ref, samples, device, dist)]
+    ref_lps = None
+    if policy.ref is not None:
+        with timed(times, "reference"), torch.no_grad():
+            ref_lps = [x.float().cpu() for x in sampled_logprobs(policy.ref, samples, device, dist)]
     old_lps = [s.logprobs for s in samples]
+    trained = sum(len(lp) for lp in old_lps)
     out = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
            "parity/tokens_compared": report.tokens_compared, "parity/tokens_different": report.tokens_different,
            "parity/max_abs_diff": report.max_abs_diff,
-           "completion_len_mean": sum(len(s.logprobs) for s in samples) / len(samples),
-           "tokens_trained": float(sum(len(s.logprobs) for s in samples)), **extra}
+           "completion_len_mean": trained / len(samples), "tokens_trained": float(trained), **extra}
     if multi_turn and cfg.detect_retokenization:
         with torch.no_grad():
             out.update(detect_retokenization(samples, metas, task, policy.model, device))

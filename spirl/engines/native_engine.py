@@ -22,7 +22,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from ..parity import RAW, SamplingDist, sampled_logprobs
+from ..parity import SamplingDist, logprob_dist, sampled_logprobs
 from .base import Sample
 
 
@@ -35,7 +35,7 @@ class NativeEngine:
         """`sampling` or `raw`: which distribution's logprobs the samples carry."""
 
     def dist(self, temperature: float, min_p: float) -> SamplingDist:
-        return SamplingDist(temperature, min_p) if self.logprobs == "sampling" else RAW
+        return logprob_dist(self.logprobs, temperature, min_p)
 
     @property
     def device(self) -> torch.device:

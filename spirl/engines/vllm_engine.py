@@ -53,6 +53,9 @@ class VLLMEngineConfig:
     host memory while the trainer trains, and `wake_up()` bring them back."""
 
 
+VLLM_LOGPROBS_MODE = {"sampling": "processed_logprobs", "raw": "raw_logprobs"}
+"""vLLM's logprobs_mode for each `--logprobs` mode (spirl.parity.logprob_dist names the distribution)."""
+
 CUDA_GRAPH_MODES = {
     # Graphs only for steps where every sequence decodes one token; prefills run eagerly.
     "full_decode_only": dict(compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
