@@ -1,8 +1,41 @@
-"""Held-out evaluation of the policy through the rollout engine (issue 13: being written)."""
+"""Held-out evaluation of the policy through the rollout engine (`--eval-every N`).
+
+A task with an eval set defines `eval_problems() -> [(prompt ids, meta)]`: a fixed list (fixed
+seed, fixed size, disjoint from its training prompts). Each problem is answered greedily by the
+same engine that samples the rollouts (so the eval sees exactly the policy being trained), and a
+completion counts as correct when the task's reward gives it the full reward, 1.0.
+  eval/accuracy   share of problems whose greedy completion is correct
+  eval/pass@k     with --eval-pass-k k: share of problems with at least one correct completion
+                  among k samples at --temperature (a fixed sampling seed, so repeatable)
+"""
 
 from __future__ import annotations
+
+from .config import ConfigError
+
+EVAL_SEED = 20_251_123
+"""Sampling seed of pass@k (fixed: the same policy always gets the same eval)."""
+
+
+def require_eval_set(task, cfg) -> None:
+    """Refuse --eval-every for a task without a held-out set (one line: what to do)."""
+    if cfg.eval_every and not hasattr(task, "eval_problems"):
+        raise ConfigError(f"--eval-every: task {cfg.task!r} has no held-out eval set; use --eval-every 0 "
+                          "or a task with eval_problems() (e.g. arith)")
 
 
 def evaluate(engine, task, cfg) -> dict[str, float]:
     """eval/* scalars of the current policy on the task's held-out problems."""
-    raise NotImplementedError("evaluation is not written yet; run without --eval-every")
+    problems = task.eval_problems()
+    prompts = [ids for ids, _ in problems]
+    completions = engine.greedy(prompts, max_tokens=cfg.max_new_tokens)
+    correct = [task.reward(c, meta) >= 1.0 for c, (_, meta) in zip(completions, problems)]
+    out = {"eval/accuracy": sum(correct) / len(problems)}
+    k = cfg.eval_pass_k
+    if k:
+        samples = engine.generate(prompts, n=k, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                  seed=EVAL_SEED, min_p=cfg.min_p, top_k=cfg.top_k, top_p=cfg.top_p)
+        hits = [any(task.reward(s.completion_ids, meta) >= 1.0 for s in samples[i * k:(i + 1) * k])
+                for i, (_, meta) in enumerate(problems)]
+        out[f"eval/pass@{k}"] = sum(hits) / len(problems)
+    return out

@@ -37,7 +37,7 @@ from . import checkpoint as ckpt
 from . import trainer
 from .config import TrainConfig, to_dict
 from .errors import UserError
-from .evaluation import evaluate
+from .evaluation import evaluate, require_eval_set
 from .metrics import MetricsLogger
 from .preflight import (
     LengthCheckedEngine,
@@ -201,6 +201,7 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
         require_cuda("--engine vllm", _NATIVE)
     device = resolve_device(cfg.device)
     task = get_task(cfg.task, load_checked_tokenizer(model_dir))
+    require_eval_set(task, cfg)
     limit, source = engine_max_model_len(cfg, model_args)
     longest_prompt = check_prompt_lengths(task, cfg, limit, source)
     if device.type == "cuda":

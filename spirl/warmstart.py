@@ -1,15 +1,28 @@
-"""Teach a checkpoint the calculator tool-call format: supervised steps on scripted episodes.
+"""Supervised warm start: teach a checkpoint a task's answer format (and part of its skill).
 
-    python -m spirl.warmstart --model random:tiny --out checkpoints/models/calculator-tiny
+    python -m spirl.warmstart --task calculator --model random:tiny --out checkpoints/models/calculator-tiny
+    python -m spirl.warmstart --task arith --model DIR --out DIR2 --steps 1500 --correct-share 0.3
 
 Why it exists: a random-weight checkpoint (the only kind the tests and a machine without hub
-access have) never writes a tool call and almost never closes a turn with <|im_end|>, so a
-multi-turn run on it has one truncated turn per episode and no reward. A few hundred steps of
-teacher-forced cross-entropy on scripted episodes (the same ids a real episode has: the template's
-prompt, a canonical tool call, the tool reply from spirl.chat_format, an <answer>) teach a tiny
-model the format, so that RL then has multi-turn episodes, rewards that differ within a group,
-and peaked token distributions. A real Qwen3 checkpoint already knows the format: do not use this
-on one. The loss covers only the policy's turns (the trajectory's loss mask).
+access have) never writes a tool call or a number and almost never closes a turn with
+<|im_end|>, so RL on it has no reward. Teacher-forced cross-entropy on scripted answers (the same
+ids a real episode has) teaches a small model the format, so that RL then has rewards that differ
+within a group. A real Qwen3 checkpoint already knows the format: do not use this on one.
+
+Tasks:
+  calculator  two-turn episodes: a canonical tool call, the tool reply, an <answer> (the loss
+              covers only the policy's turns, the trajectory's loss mask).
+  arith       "What is a+b?" answered by a *teacher that forgets carries*: with probability
+              --correct-share the true sum, else the carry-free sum (each digit (a_i+b_i) mod 10,
+              e.g. 58+67 -> 15). Problems without a carry get the right answer either way; on the
+              ~3/4 with a carry the model learns to prefer the wrong answer but keeps the right one
+              in its distribution. GRPO with the verifier's reward must then find and reinforce it:
+              the held-out accuracy has room to rise (docs/learning-curve.md). Only training pairs
+              are used (spirl.tasks.arith keeps the eval pairs out of its pool).
+
+The steps run on the trainer's own path (spirl.trainer.build_policy: fp32 masters, the compute
+model's forward and deterministic backward, per-layer AdamW), so a warm start is as repeatable
+as a GRPO step: same seed, same bits.
 """
 
 from __future__ import annotations
@@ -23,6 +36,13 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("spirl.warmstart")
+
+TASKS = ("calculator", "arith")
+WARMUP_STEPS = 50
+"""The learning rate rises linearly to --lr over the first WARMUP_STEPS steps (over the first
+tenth of a run shorter than 10 x WARMUP_STEPS)."""
+END_OF_TURN = 151645
+"""<|im_end|>: a scripted answer ends its turn the way Qwen3's chat template does."""
 
 
 def scripted_episode(env, prompt_ids: list[int], meta: dict, rng: random.Random):
@@ -46,35 +66,71 @@ def scripted_episode(env, prompt_ids: list[int], meta: dict, rng: random.Random)
     return t
 
 
-def warmstart(model_dir: Path, out: Path, steps: int, batch: int, lr: float, seed: int, device) -> list[float]:
-    """Train on scripted calculator episodes; write the result to `out`. Returns the loss per step."""
-    from torchtitan_compat.tokenizer import load_tokenizer
-    from weights_vllm_compat import load_model
+def arith_example(task, rng: random.Random, correct_share: float):
+    """A training problem of spirl.tasks.arith answered by the carry-forgetting teacher, as a Sample."""
+    from .engines.base import Sample
+    from .tasks.arith import carry_free_sum
 
-    from .parity import sampled_logprobs
+    prompt, meta = task.prompts(rng, 1)[0]
+    answer = meta["answer"] if rng.random() < correct_share else carry_free_sum(meta["a"], meta["b"])
+    ids = [int(i) for i in task.tokenizer(str(answer), add_special_tokens=False)["input_ids"]]
+    return Sample(prompt, ids + [END_OF_TURN], torch.empty(0))
+
+
+def example_maker(task_name: str, model_dir: Path, correct_share: float):
+    """(rng -> one scripted trainable sequence) for the task."""
+    from torchtitan_compat.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    if task_name == "arith":
+        from .tasks.arith import ArithTask
+
+        task = ArithTask(tok)
+        return lambda rng: arith_example(task, rng, correct_share)
     from .tasks.calculator import CalculatorEnv
 
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    env = CalculatorEnv(load_tokenizer(model_dir))
-    model = load_model(model_dir, device=device, dtype=torch.float32, backend="reference")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses, t0 = [], time.perf_counter()
-    for step in range(1, steps + 1):
-        episodes = [scripted_episode(env, p, m, rng) for p, m in env.prompts(rng, batch)]
-        lps = torch.cat(sampled_logprobs(model, episodes, device))
-        loss = -lps.mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        if step == 1 or step % 25 == 0 or step == steps:
-            log.info("step %d/%d  loss %.3f  token p>0.5: %.2f  (%.0fs)", step, steps, losses[-1],
-                     float((lps.detach() > -0.693).float().mean()), time.perf_counter() - t0)
+    env = CalculatorEnv(tok)
+    return lambda rng: scripted_episode(env, *env.prompts(rng, 1)[0], rng)
+
+
+def warmstart(model_dir: Path, out: Path, steps: int, batch: int, lr: float, seed: int, device,
+              task: str = "calculator", correct_share: float = 1.0) -> list[float]:
+    """Supervised steps on scripted answers; write the result to `out`. Returns the loss per step."""
     import weights
     import weights_vllm_compat
 
-    hf_sd = weights_vllm_compat.compat_to_hf({k: v.detach() for k, v in model.state_dict().items()}, model.args)
+    from .config import TrainConfig
+    from .parity import sampled_logprobs
+    from .trainer import build_policy
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    make = example_maker(task, model_dir, correct_share)
+    cfg = TrainConfig(lr=lr, engine="vllm" if device.type == "cuda" else "native",
+                      dtype="bfloat16" if device.type == "cuda" else "float32", activation_checkpointing=0)
+    policy = build_policy(model_dir, cfg, device)
+    losses, t0 = [], time.perf_counter()
+    warmup = max(1, min(WARMUP_STEPS, steps // 10))
+    for step in range(1, steps + 1):
+        for group in policy.optimizer.param_groups:  # linear warm-up: no early blow-up at a high lr
+            group["lr"] = lr * min(1.0, step / warmup)
+        examples = [make(rng) for _ in range(batch)]
+        lps = torch.cat(sampled_logprobs(policy.model, examples, device)).float()
+        loss = -lps.mean()
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"warm start step {step}: loss is {float(loss)}; lower --lr")
+        loss.backward()
+        policy.grads_to_masters()
+        policy.optimizer.step()
+        policy.optimizer.zero_grad(set_to_none=True)
+        policy.push_masters_to_model()
+        losses.append(float(loss.detach()))
+        if step == 1 or step % 100 == 0 or step == steps:
+            log.info("warm start step %d/%d  loss %.3f  token p>0.5: %.2f  (%.0fs)", step, steps, losses[-1],
+                     float((lps.detach() > -0.693).float().mean()), time.perf_counter() - t0)
+    # the fp32 masters (not their bf16 cast): RL then starts from exactly what was learned
+    sd = {k: policy.masters.get(k, v).detach() for k, v in policy.model.state_dict().items()}
+    hf_sd = weights_vllm_compat.compat_to_hf(sd, policy.model.args)
     weights.save_hf_checkpoint(hf_sd, model_dir, out)
     log.info("wrote %s", out)
     return losses
@@ -84,6 +140,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="random:tiny", help="checkpoint to start from (dir, repo id or random:SHAPE)")
     p.add_argument("--out", required=True, type=Path, help="directory to write the taught checkpoint to")
+    p.add_argument("--task", choices=TASKS, default="calculator", help="what to teach (see above)")
+    p.add_argument("--correct-share", type=float, default=1.0,
+                   help="arith: share of scripted answers that are the true sum (the rest forget carries)")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch", type=int, default=32, help="scripted episodes per step")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -91,8 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--checkpoint-dir", default="checkpoints", help="where random:SHAPE checkpoints are written")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.batch < 1 or args.lr <= 0:
-        p.error("--steps and --batch must be >= 1 and --lr > 0")
+    if args.steps < 1 or args.batch < 1 or args.lr <= 0 or not 0 <= args.correct_share <= 1:
+        p.error("--steps and --batch must be >= 1, --lr > 0 and --correct-share in [0, 1]")
     from .errors import log_to_stdout
 
     log_to_stdout()
@@ -103,7 +162,7 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     model_dir = resolve_model(args.model, args.checkpoint_dir)
     validate_model_dir(model_dir)
-    warmstart(model_dir, args.out, args.steps, args.batch, args.lr, args.seed, device)
+    warmstart(model_dir, args.out, args.steps, args.batch, args.lr, args.seed, device, args.task, args.correct_share)
     return 0
 
 

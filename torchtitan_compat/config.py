@@ -36,6 +36,12 @@ SHAPES: dict[str, dict] = {
         hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=128, tie_word_embeddings=False,
     ),
+    # the learning-curve demo's starting model (compare/learning_curve.py): big enough to learn
+    # two-digit addition in a few GPU minutes, small enough that a GRPO step takes well under a second
+    "small": dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, tie_word_embeddings=False,
+    ),
     "Qwen3-0.6B": dict(
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,

@@ -79,8 +79,17 @@ class NativeEngine:
 
     # -- decoding ------------------------------------------------------------------------------
 
+    @torch.no_grad()
+    def greedy(self, prompts: list[list[int]], max_tokens: int = 64) -> list[list[int]]:
+        """The argmax completion of each prompt (evaluation), ending at the first EOS or max_tokens."""
+        gen = torch.Generator(device=self.device)
+        return [self._sample_group(list(p), 1, max_tokens, {"greedy": True}, gen)[0][0] for p in prompts]
+
     def _pick(self, logits: torch.Tensor, pick: dict, gen: torch.Generator) -> torch.Tensor:
-        """A draw from softmax(logits / T) after min-p, then top-k and top-p (vLLM's order)."""
+        """A draw from softmax(logits / T) after min-p, then top-k and top-p (vLLM's order);
+        the argmax when `pick` asks for greedy decoding."""
+        if pick.get("greedy"):
+            return logits.argmax(dim=-1)
         z = self.model.backend.sampling_logits(logits, pick["temperature"], pick["min_p"]).float()
         if pick["top_k"] > 0:
             kth = z.topk(min(pick["top_k"], z.shape[-1]), dim=-1).values[..., -1:]

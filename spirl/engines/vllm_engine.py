@@ -144,6 +144,17 @@ class VLLMEngine:
                                     params, use_tqdm=False)
         return [_to_sample(list(p), c) for p, out in zip(prompts, outputs) for c in out.outputs]
 
+    def greedy(self, prompts: list[list[int]], max_tokens: int = 64) -> list[list[int]]:
+        """The argmax completion of each prompt (evaluation; temperature 0, no logprobs)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake_up()
+        params = SamplingParams(n=1, max_tokens=max_tokens, temperature=0.0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        return [list(out.outputs[0].token_ids) for out in outputs]
+
     def sleep(self) -> None:
         """Free the KV cache and move the weights to host memory (vLLM sleep level 1), if the
         engine was built for it; the next generate() or load_weights() wakes it up."""

@@ -1,0 +1,103 @@
+"""From nothing to a learning curve: make a starting model, run GRPO with held-out evals, plot.
+
+    VLLM_BATCH_INVARIANT=1 python compare/learning_curve.py --out runs/curve    # one GPU, a few minutes
+
+Stages, each its own process (vLLM reads its environment at import), each logged to <out>/*.log:
+  1. weights.py --random small           a random Qwen3-shaped model (real tokenizer and vocabulary)
+  2. spirl.warmstart --task arith        supervised steps on a teacher that forgets carries
+                                         (--correct-share of its answers are right; see
+                                         docs/learning-curve.md for why)
+  3. simple_rl.py --task arith           GRPO with --eval-every: greedy accuracy on the 500
+                                         held-out problems before the first step and every N steps
+  4. compare/plot_run.py                 <out>/curve.png
+Then prints the first eval, the best of the last three, the gain in points and the parity totals,
+and exits 1 if the gain is below --min-gain or any step found a differing token.
+Same --seed, same numbers: every stage is seeded and runs bitwise-deterministic kernels.
+`--engine native --device cpu` runs the same pipeline on CPU (slowly; the tests use it tiny).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from compare.plot_run import load_run, summary  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="new directory for models, logs, the run and the PNG")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shape", default="small", help="weights.py shape of the starting model")
+    p.add_argument("--sft-steps", type=int, default=3000)
+    p.add_argument("--sft-batch", type=int, default=256)
+    p.add_argument("--sft-lr", type=float, default=2e-3)
+    p.add_argument("--correct-share", type=float, default=0.3, help="share of the teacher's answers that are right")
+    p.add_argument("--steps", type=int, default=200, help="GRPO steps")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--prompts-per-step", type=int, default=32)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-4, help="GRPO learning rate")
+    p.add_argument("--kl-coef", type=float, default=0.001)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of the GPU")
+    p.add_argument("--engine", default="vllm", choices=("vllm", "native"))
+    p.add_argument("--device", default="auto")
+    p.add_argument("--min-gain", type=float, default=20.0, help="points of eval accuracy the run must gain")
+    return p.parse_args(argv)
+
+
+def stage(name: str, cmd: list[str], out: Path) -> None:
+    """Run one stage, its output to <out>/<name>.log; a failure is one line naming the log."""
+    t0 = time.perf_counter()
+    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
+    with open(out / f"{name}.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
+    if rc:
+        raise SystemExit(f"learning_curve: error: stage {name} failed with exit status {rc}; see {out / name}.log")
+    print(f"[{name}] done in {time.perf_counter() - t0:.0f}s", flush=True)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.out.exists() and any(a.out.iterdir()):
+        print(f"learning_curve: error: {a.out} is not empty; give a new --out directory", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    py, models = sys.executable, a.out / "models"
+    cpu = ["--device", a.device]
+    stage("1_random_model", [py, "weights.py", "--random", a.shape, "--seed", str(a.seed),
+                             "--out", str(models / "random")], a.out)
+    stage("2_warmstart", [py, "-m", "spirl.warmstart", "--task", "arith", "--model", str(models / "random"),
+                          "--out", str(models / "sft"), "--steps", str(a.sft_steps), "--batch", str(a.sft_batch),
+                          "--lr", str(a.sft_lr), "--correct-share", str(a.correct_share), "--seed", str(a.seed),
+                          *cpu], a.out)
+    native = ["--engine", "native", "--dtype", "float32"] if a.engine == "native" else []
+    stage("3_grpo", [py, "simple_rl.py", "--model", str(models / "sft"), "--task", "arith",
+                     "--steps", str(a.steps), "--eval-every", str(a.eval_every),
+                     "--prompts-per-step", str(a.prompts_per_step), "--group-size", str(a.group_size),
+                     "--max-new-tokens", "6", "--temperature", "1.0", "--lr", str(a.lr), "--kl-coef", str(a.kl_coef),
+                     "--seed", str(a.seed), "--out-dir", str(a.out / "runs"), "--run-name", "arith",
+                     "--checkpoint-dir", str(a.out / "checkpoints"), "--checkpoint-every", "0",
+                     "--gpu-memory-utilization", str(a.gpu_memory_utilization), *native, *cpu],
+          a.out)
+    stage("4_plot", [py, "compare/plot_run.py", str(a.out / "runs" / "arith"), "--out", str(a.out / "curve.png")],
+          a.out)
+    s = summary(load_run(a.out / "runs" / "arith"))
+    gain = s["best_last3_eval_accuracy"] - s["first_eval_accuracy"]
+    ok = gain >= a.min_gain and s["parity_tokens_different"] == 0
+    print(f"eval accuracy {s['first_eval_accuracy']:.1f}% before GRPO, {s['best_last3_eval_accuracy']:.1f}% best of "
+          f"the last 3 evals: {gain:+.1f} points over {s['steps']} steps; parity {s['parity_tokens_compared']} "
+          f"tokens compared, {s['parity_tokens_different']} different; {'OK' if ok else 'NOT MET'} "
+          f"(needs >= {a.min_gain:g} points and 0 different); curve: {a.out / 'curve.png'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
