@@ -71,13 +71,13 @@ def main(argv=None) -> int:
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
     py, models = sys.executable, a.out / "models"
-    cpu = ["--device", a.device]
+    device = ["--device", a.device]
     stage("1_random_model", [py, "weights.py", "--random", a.shape, "--seed", str(a.seed),
                              "--out", str(models / "random")], a.out)
     stage("2_warmstart", [py, "-m", "spirl.warmstart", "--task", "arith", "--model", str(models / "random"),
                           "--out", str(models / "sft"), "--steps", str(a.sft_steps), "--batch", str(a.sft_batch),
                           "--lr", str(a.sft_lr), "--correct-share", str(a.correct_share), "--seed", str(a.seed),
-                          *cpu], a.out)
+                          *device], a.out)
     native = ["--engine", "native", "--dtype", "float32"] if a.engine == "native" else []
     stage("3_grpo", [py, "simple_rl.py", "--model", str(models / "sft"), "--task", "arith",
                      "--steps", str(a.steps), "--eval-every", str(a.eval_every),
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
                      "--max-new-tokens", "6", "--temperature", "1.0", "--lr", str(a.lr), "--kl-coef", str(a.kl_coef),
                      "--seed", str(a.seed), "--out-dir", str(a.out / "runs"), "--run-name", "arith",
                      "--checkpoint-dir", str(a.out / "checkpoints"), "--checkpoint-every", "0",
-                     "--gpu-memory-utilization", str(a.gpu_memory_utilization), *native, *cpu],
+                     "--gpu-memory-utilization", str(a.gpu_memory_utilization), *native, *device],
           a.out)
     stage("4_plot", [py, "compare/plot_run.py", str(a.out / "runs" / "arith"), "--out", str(a.out / "curve.png")],
           a.out)

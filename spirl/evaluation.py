@@ -24,18 +24,23 @@ def require_eval_set(task, cfg) -> None:
                           "or a task with eval_problems() (e.g. arith)")
 
 
+def solved(task, completion_ids: list[int], meta) -> bool:
+    """A completion is correct when the task gives it the full reward."""
+    return task.reward(completion_ids, meta) >= 1.0
+
+
 def evaluate(engine, task, cfg) -> dict[str, float]:
     """eval/* scalars of the current policy on the task's held-out problems."""
     problems = task.eval_problems()
     prompts = [ids for ids, _ in problems]
     completions = engine.greedy(prompts, max_tokens=cfg.max_new_tokens)
-    correct = [task.reward(c, meta) >= 1.0 for c, (_, meta) in zip(completions, problems)]
+    correct = [solved(task, c, meta) for c, (_, meta) in zip(completions, problems)]
     out = {"eval/accuracy": sum(correct) / len(problems)}
     k = cfg.eval_pass_k
     if k:
         samples = engine.generate(prompts, n=k, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                   seed=EVAL_SEED, min_p=cfg.min_p, top_k=cfg.top_k, top_p=cfg.top_p)
-        hits = [any(task.reward(s.completion_ids, meta) >= 1.0 for s in samples[i * k:(i + 1) * k])
+        hits = [any(solved(task, s.completion_ids, meta) for s in samples[i * k:(i + 1) * k])
                 for i, (_, meta) in enumerate(problems)]
         out[f"eval/pass@{k}"] = sum(hits) / len(problems)
     return out

@@ -41,8 +41,9 @@ TASKS = ("calculator", "arith")
 WARMUP_STEPS = 50
 """The learning rate rises linearly to --lr over the first WARMUP_STEPS steps (over the first
 tenth of a run shorter than 10 x WARMUP_STEPS)."""
-END_OF_TURN = 151645
-"""<|im_end|>: a scripted answer ends its turn the way Qwen3's chat template does."""
+TURN_END = "<|im_end|>"
+"""A scripted answer ends its turn the way Qwen3's chat template does (its id read from the tokenizer,
+as spirl.chat_format does)."""
 
 
 def scripted_episode(env, prompt_ids: list[int], meta: dict, rng: random.Random):
@@ -74,7 +75,7 @@ def arith_example(task, rng: random.Random, correct_share: float):
     prompt, meta = task.prompts(rng, 1)[0]
     answer = meta["answer"] if rng.random() < correct_share else carry_free_sum(meta["a"], meta["b"])
     ids = [int(i) for i in task.tokenizer(str(answer), add_special_tokens=False)["input_ids"]]
-    return Sample(prompt, ids + [END_OF_TURN], torch.empty(0))
+    return Sample(prompt, ids + [task.tokenizer.convert_tokens_to_ids(TURN_END)], torch.empty(0))
 
 
 def example_maker(task_name: str, model_dir: Path, correct_share: float):
