@@ -184,6 +184,22 @@ def titan_to_hf(titan_sd: dict, model_args) -> dict:
     return {k: hf_sd[k] for k in expected_hf_shapes(model_args)}
 
 
+def hf_names_of_titan(titan_part: dict, model_args) -> dict:
+    """A subset of a TorchTitan state dict (one layer, say) under its HF names, by the same adapter
+    as `titan_to_hf`; every name and shape checked (the adapter silently drops names it does not
+    know)."""
+    expected_titan = expected_titan_shapes(model_args)
+    for k, v in titan_part.items():
+        if k not in expected_titan or tuple(v.shape) != tuple(expected_titan[k]):
+            raise WeightsError(f"TorchTitan weights: {k} {list(v.shape)} is not a weight of this model config")
+    hf = _adapter(model_args).to_hf(dict(titan_part))
+    expected = expected_hf_shapes(model_args)
+    if len(hf) != len(titan_part) or any(k not in expected for k in hf):
+        raise WeightsError(f"TorchTitan weights: {sorted(titan_part)} did not map one to one onto HF names "
+                           "(this is a bug in weights.hf_names_of_titan)")
+    return hf
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading checkpoints
 

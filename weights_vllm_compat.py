@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from torchtitan_compat import Qwen3VLLMCompatModel, model_args_from_hf_config, select_backend
-from weights import (WeightsError, check_state_dict, expected_titan_shapes, hf_to_titan, load_hf_checkpoint,
-                     titan_to_hf)
+from weights import (WeightsError, check_state_dict, expected_titan_shapes, hf_names_of_titan, hf_to_titan,
+                     load_hf_checkpoint, titan_to_hf)
 
 _HINT = "the weights do not match the model config"
 
@@ -141,6 +141,31 @@ def compat_to_vllm_weights(compat_sd: dict, model_args) -> Iterator[tuple[str, t
     itself (and skips lm_head when embeddings are tied). Tensors are views; vLLM copies them.
     Validation happens here, not on the first `next()`."""
     return iter(compat_to_hf(compat_sd, model_args).items())
+
+
+def compat_part_to_hf(compat_part: dict, model_args) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of any subset of the compat layout (one layer, say), for vLLM's
+    `model.load_weights`, which accepts weights in any number of calls. Names and shapes are
+    checked against the model config here, before any pair is produced."""
+    expected = expected_compat_shapes(model_args)
+    for name, t in compat_part.items():
+        if name not in expected:
+            raise WeightsError(f"compat weights: unknown name {name!r}; {_HINT}")
+        if tuple(t.shape) != expected[name]:
+            raise WeightsError(f"compat weights: {name} has shape {list(t.shape)}, expected {list(expected[name])}; "
+                               f"{_HINT}")
+    q, kv, inter = _dims(model_args)
+    titan = {}
+    for name, t in compat_part.items():
+        if name.endswith("attention.qkv_proj.weight"):
+            p = name.removesuffix("qkv_proj.weight")
+            titan.update(zip((p + "wq.weight", p + "wk.weight", p + "wv.weight"), t.split([q, kv, kv], dim=0)))
+        elif name.endswith("feed_forward.gate_up_proj.weight"):
+            p = name.removesuffix("gate_up_proj.weight")
+            titan.update(zip((p + "w1.weight", p + "w3.weight"), t.split([inter, inter], dim=0)))
+        else:
+            titan[name.replace("attention.o_proj.", "attention.wo.").replace("feed_forward.down_proj.", "feed_forward.w2.")] = t
+    return iter(hf_names_of_titan(titan, model_args).items())
 
 
 def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32,

@@ -73,6 +73,11 @@ CONFIGS = {
     "m64_n128": (64, 128, 8, 4, 4),
     "m128_n128": (128, 128, 8, 8, 4),
     "m128_n256": (128, 256, 8, 8, 3),  # not picked; kept so the bitwise test covers wide tiles
+    "m128_n128_s5": (128, 128, 8, 8, 5),
+    "m256_n128": (256, 128, 8, 8, 3),
+    # not picked (slower everywhere measured); kept so the bitwise test covers them
+    "m128_n256_s4": (128, 256, 8, 8, 4),
+    "m128_n64": (128, 64, 8, 4, 4),
 }
 
 
@@ -80,9 +85,11 @@ def pick_config(m: int, n: int, k: int) -> str:
     """Tile config for an [m, k] x [k, n] product; any choice gives the same bits (module doc).
 
     From compare/bench_gemm.py on an H100 at Qwen3-1.7B's five linear shapes (median of
-    do_bench): decode row counts (1-32) are fastest with 64x128 tiles (up to 1.8x vLLM's
-    config); 33-256 rows with narrow tiles for outputs up to 4096 wide; from 512 rows on, vLLM's
-    own 128x128 config is within a few percent of the best."""
+    do_bench, 2026-11-23): decode row counts (1-32) are fastest with 64x128 tiles (up to 1.8x
+    vLLM's config); 33-256 rows with narrow tiles for outputs up to 4096 wide; 513-2047 rows with
+    vLLM's 128x128 tiles, 5 stages deep for outputs up to 2048 wide (o, down: 15-23 % faster);
+    from 2048 rows on (the trainer) 256x128 tiles, 4-8 % faster than vLLM's config on gate_up,
+    down, o and lm_head, except for outputs 2049-4096 wide (qkv), where vLLM's is 4 % faster."""
     if m <= 32:
         return "m64_n128"
     if m <= 128:
@@ -91,7 +98,9 @@ def pick_config(m: int, n: int, k: int) -> str:
         return "m64_n64" if n <= 4096 else "m128_n128"
     if m <= 512:
         return "m128_n128"
-    return "vllm"
+    if m < 2048:
+        return "m128_n128_s5" if n <= 2048 else "vllm"
+    return "vllm" if 2048 < n <= 4096 else "m256_n128"
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch.Tensor:

@@ -41,18 +41,24 @@ def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=1) + "\n")
 
 
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous()
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, whole=_cpu) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """AdamW's per-parameter tensors as {"<param index>.<name>": tensor} and its param groups.
+    `whole` turns each state tensor into the CPU tensor to save (sharded training: a gather)."""
     sd = opt.state_dict()
-    tensors = {f"{i}.{k}": v.detach().cpu().contiguous()
-               for i, st in sd["state"].items() for k, v in st.items()}
+    tensors = {f"{i}.{k}": whole(v) for i, st in sd["state"].items() for k, v in st.items()}
     return tensors, sd["param_groups"]
 
 
 def save(run_ckpt_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
-         optimizer: torch.optim.Optimizer, state: dict) -> Path:
-    """Write checkpoint `step` atomically; returns its directory. On an OSError (a full disk, no
-    permission) nothing of this step is left behind, `latest` and the earlier checkpoints are as
-    they were, and a one-line UserError (exit status 6) says so."""
+         optimizer: torch.optim.Optimizer | tuple[dict, list], state: dict) -> Path:
+    """Write checkpoint `step` atomically; returns its directory. `optimizer`: the optimizer, or
+    what `optimizer_tensors` made of it. On an OSError (a full disk, no permission) nothing of
+    this step is left behind, `latest` and the earlier checkpoints are as they were, and a
+    one-line UserError (exit status 6) says so."""
     root = Path(run_ckpt_dir)
     final = root / f"step_{step:06d}"
     try:
@@ -60,7 +66,7 @@ def save(run_ckpt_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
         try:
             save_file({k: v.detach().cpu().contiguous() for k, v in masters.items()}, str(tmp / "model.safetensors"))
-            opt_tensors, groups = _optimizer_tensors(optimizer)
+            opt_tensors, groups = optimizer if isinstance(optimizer, tuple) else optimizer_tensors(optimizer)
             save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
             rng = {"torch_cpu": torch.get_rng_state()}
             if torch.cuda.is_available():
@@ -177,15 +183,32 @@ def inspect(path: str | Path) -> CheckpointInfo:
     return CheckpointInfo(d, state, shapes, optimizer_shapes)
 
 
-def load(path: str | Path, device) -> tuple[dict, dict[str, torch.Tensor], dict]:
-    """(state.json, master weights on `device`, optimizer state dict ready for load_state_dict)."""
+def _read(path: Path, device, rows) -> dict[str, torch.Tensor]:
+    """A safetensors file; with `rows` (name -> dim-0 slice or None), only those rows of each
+    tensor are read from disk."""
+    if rows is None:
+        return load_file(str(path), device=str(device))
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), "pt", device=str(device)) as f:
+        for k in f.keys():
+            sl = rows(k)
+            out[k] = f.get_tensor(k) if sl is None else f.get_slice(k)[sl]
+    return out
+
+
+def load(path: str | Path, device, rows=None) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """(state.json, master weights on `device`, optimizer state dict ready for load_state_dict).
+    `rows(key)`: for sharded training, the dim-0 rows of each saved tensor this process holds (None
+    = all); keys are the weight names and "<param index>.<state name>"."""
     from safetensors import SafetensorError
 
     d = inspect(path).path
     try:
         state = json.loads((d / "state.json").read_text())
-        masters = load_file(str(d / "model.safetensors"), device=str(device))
-        flat = load_file(str(d / "optimizer.safetensors"), device=str(device))
+        masters = _read(d / "model.safetensors", device, rows)
+        flat = _read(d / "optimizer.safetensors", device, rows)
         opt_state: dict[int, dict] = {}
         for key, t in flat.items():
             i, name = key.split(".", 1)

@@ -29,18 +29,25 @@ def solved(task, completion_ids: list[int], meta) -> bool:
     return task.reward(completion_ids, meta) >= 1.0
 
 
-def evaluate(engine, task, cfg) -> dict[str, float]:
-    """eval/* scalars of the current policy on the task's held-out problems."""
+def evaluate(engine, task, cfg, world=None) -> dict[str, float]:
+    """eval/* scalars of the current policy on the task's held-out problems. On several ranks
+    (spirl.distributed.World) each rank answers every world.size-th problem and the counts are
+    summed, so the scalars are the one-process ones."""
     problems = task.eval_problems()
-    prompts = [ids for ids, _ in problems]
+    rank, size = (world.rank, world.size) if world is not None else (0, 1)
+    mine = problems[rank::size]
+    prompts = [ids for ids, _ in mine]
     completions = engine.greedy(prompts, max_tokens=cfg.max_new_tokens)
-    correct = [solved(task, c, meta) for c, (_, meta) in zip(completions, problems)]
-    out = {"eval/accuracy": sum(correct) / len(problems)}
+    counts = [sum(solved(task, c, meta) for c, (_, meta) in zip(completions, mine))]
     k = cfg.eval_pass_k
     if k:
         samples = engine.generate(prompts, n=k, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                  seed=EVAL_SEED, min_p=cfg.min_p, top_k=cfg.top_k, top_p=cfg.top_p)
-        hits = [any(solved(task, s.completion_ids, meta) for s in samples[i * k:(i + 1) * k])
-                for i, (_, meta) in enumerate(problems)]
-        out[f"eval/pass@{k}"] = sum(hits) / len(problems)
+                                  seed=[EVAL_SEED] * len(prompts), min_p=cfg.min_p, top_k=cfg.top_k, top_p=cfg.top_p)
+        counts.append(sum(any(solved(task, s.completion_ids, meta) for s in samples[i * k:(i + 1) * k])
+                          for i, (_, meta) in enumerate(mine)))
+    if world is not None:
+        counts = world.all_sum(counts)
+    out = {"eval/accuracy": counts[0] / len(problems)}
+    if k:
+        out[f"eval/pass@{k}"] = counts[1] / len(problems)
     return out

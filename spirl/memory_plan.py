@@ -24,6 +24,10 @@ What is counted (P = parameters, c = bytes per element of the compute dtype: 2 f
     vLLM's share                        gpu_memory_utilization x GPU total (engine vllm; not
                                         during training with --vllm-sleep 1)
     fixed overhead                      1 GiB (CUDA context, GEMM workspaces, allocator slack)
+Sharded over W ranks (torchrun, FSDP2; per GPU): masters, AdamW state, fp32 gradients and the
+reference are divided by W; the compute-dtype weights (and their gradients) that exist whole are
+those of the embedding/head plus two decoder layers (the one computing and the one prefetched),
+plus one layer's fp32 gradients for the reduce-scatter.
 T = the tokens one micro-batch can hold: min(max(max_tokens_per_microbatch, L), S x L), where L
 is the longest sequence (prompt + completion; max_model_len when the prompts are not known) and
 S the sequences of one mini-batch (prompts_per_step x group_size / updates_per_batch).
@@ -64,13 +68,17 @@ class MemoryEstimate:
         return " + ".join(f"{k} {v / GIB:.1f}" for k, v in self.parts.items() if v) + " GiB"
 
 
-def param_count(args) -> int:
-    """Parameters of a Qwen3 model from torchtitan's Qwen3ModelArgs."""
+def layer_param_count(args) -> int:
+    """Parameters of one decoder layer."""
     d, dh, inter = args.dim, args.head_dim, args.hidden_dim
     q, kv = args.n_heads * dh, args.n_kv_heads * dh
-    per_layer = d * (q + 2 * kv) + q * d + 2 * dh + 2 * d + 3 * d * inter
-    head = 0 if args.enable_weight_tying else args.vocab_size * d
-    return args.vocab_size * d + args.n_layers * per_layer + d + head
+    return d * (q + 2 * kv) + q * d + 2 * dh + 2 * d + 3 * d * inter
+
+
+def param_count(args) -> int:
+    """Parameters of a Qwen3 model from torchtitan's Qwen3ModelArgs."""
+    head = 0 if args.enable_weight_tying else args.vocab_size * args.dim
+    return args.vocab_size * args.dim + args.n_layers * layer_param_count(args) + args.dim + head
 
 
 def tokens_per_microbatch(cfg, max_seq_len: int) -> int:
@@ -79,12 +87,15 @@ def tokens_per_microbatch(cfg, max_seq_len: int) -> int:
 
 
 def estimate(args, cfg, gpu_total_bytes: int, max_seq_len: int | None = None,
-             logits_chunk_elements: int | None = None) -> MemoryEstimate:
+             logits_chunk_elements: int | None = None, shards: int = 0) -> MemoryEstimate:
     """The trainer's peak GPU memory for model `args` under TrainConfig `cfg` (see the module
     docstring). `max_seq_len`: the longest prompt + completion if known (else cfg.max_model_len
-    or 4096). `logits_chunk_elements`: lm_head's chunk size in logit elements when it is chunked."""
+    or 4096). `logits_chunk_elements`: lm_head's chunk size in logit elements when it is chunked.
+    `shards`: the ranks FSDP2 shards over (0: not sharded)."""
     c = _DTYPE_BYTES.get(cfg.dtype, 4)
     p = param_count(args)
+    per_rank = p / shards if shards else p
+    whole = p if not shards else p - (args.n_layers - 2) * layer_param_count(args)
     length = max_seq_len or getattr(cfg, "max_model_len", 4096)
     t = tokens_per_microbatch(cfg, length)
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
@@ -101,12 +112,12 @@ def estimate(args, cfg, gpu_total_bytes: int, max_seq_len: int | None = None,
         share = int(cfg.gpu_memory_utilization * gpu_total_bytes)
         vllm = SLEEPING_VLLM_BYTES if getattr(cfg, "vllm_sleep", 0) else share
     parts = {
-        "fp32 masters": 4 * p,
-        "compute model": c * p,
-        "reference": c * p if cfg.kl_coef > 0 else 0,
-        "AdamW state": 8 * p,
-        "fp32 grads": 4 * p,
-        "compute grads": c * p,
+        "fp32 masters": int(4 * per_rank),
+        "compute model": c * whole,
+        "reference": int(c * per_rank) if cfg.kl_coef > 0 else 0,
+        "AdamW state": int(8 * per_rank),
+        "fp32 grads": int(4 * per_rank),
+        "compute grads": c * whole + (4 * layer_param_count(args) if shards else 0),
         "activations": activations,
         "logits": logits,
         "vLLM": vllm,

@@ -26,22 +26,45 @@ def build_adamw(masters: dict[str, torch.nn.Parameter], lr: float, weight_decay:
                              lr=lr, weight_decay=weight_decay, foreach=False)
 
 
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, split into its two halves (the same arithmetic) so that the
+    norm of sharded gradients (FSDP2's DTensors) is made whole before the clip, as torchtitan does."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
 @torch.no_grad()
-def step_with_deltas(opt: torch.optim.Optimizer) -> dict[str, float]:
+def step_with_deltas(opt: torch.optim.Optimizer, all_sum=None) -> dict[str, float]:
     """opt.step(), one parameter group at a time; returns per layer ||W_t - W_{t-1}|| and its ratio
-    to ||W_{t-1}|| (float64 sums), holding one layer's previous weights at a time."""
+    to ||W_{t-1}|| (float64 sums), holding one layer's previous weights at a time. Sharded
+    parameters: each rank sums its own shard and `all_sum` (spirl.distributed.World.all_sum) adds
+    the ranks' sums."""
+    from .distributed import local
+
     all_groups = opt.param_groups
-    out: dict[str, float] = {}
+    sums: list[float] = []
     try:
         for group in all_groups:
-            before = [p.detach().clone() for p in group["params"]]
+            before = [local(p).detach().clone() for p in group["params"]]
             opt.param_groups = [group]
             opt.step()
-            diff_sq = sum(float((p.double() - b.double()).pow(2).sum()) for p, b in zip(group["params"], before))
-            prev_sq = sum(float(b.double().pow(2).sum()) for b in before)
-            layer = group["layer"]
-            out[f"weight_delta/{layer}/magnitude"] = math.sqrt(diff_sq)
-            out[f"weight_delta/{layer}/relative_change"] = math.sqrt(diff_sq) / max(math.sqrt(prev_sq), 1e-30)
+            sums.append(sum(float((local(p).double() - b.double()).pow(2).sum())
+                            for p, b in zip(group["params"], before)))
+            sums.append(sum(float(b.double().pow(2).sum()) for b in before))
     finally:
         opt.param_groups = all_groups
+    if all_sum is not None:
+        sums = all_sum(sums)
+    out: dict[str, float] = {}
+    for i, group in enumerate(all_groups):
+        diff_sq, prev_sq = sums[2 * i], sums[2 * i + 1]
+        layer = group["layer"]
+        out[f"weight_delta/{layer}/magnitude"] = math.sqrt(diff_sq)
+        out[f"weight_delta/{layer}/relative_change"] = math.sqrt(diff_sq) / max(math.sqrt(prev_sq), 1e-30)
     return out

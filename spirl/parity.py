@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-import batch_invariant_backward as bib
 from torchtitan_compat import pack
 
 from .engines.base import Sample
@@ -57,22 +56,13 @@ def logprob_dist(mode: str, temperature: float, min_p: float = 0.0) -> SamplingD
     return SamplingDist(temperature, min_p) if mode == "sampling" else RAW
 
 
-def _sampled_rows_hidden(model, seqs: list[Sample], device):
-    """(final hidden states [N, K] of the rows that predict sampled tokens, those tokens [N], sizes).
-
-    One packed forward over every sequence. Only the rows that predict a sampled token go
-    through lm_head (every op after the decoder is row-wise, so selecting rows first changes no
-    bits)."""
+def _logprobs(model, seqs, device, dist: SamplingDist, entropy: bool):
+    """One packed forward over every sequence; the logprob (and entropy) of each sampled token."""
     packed = pack([s.ids for s in seqs], device=device)
     rows, targets, sizes = sampled_rows(seqs)
-    h = model.hidden_states(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen)
-    return h[rows.to(device)], targets.to(device), sizes
-
-
-def _logprobs(model, seqs, device, dist: SamplingDist, entropy: bool):
-    h, targets, sizes = _sampled_rows_hidden(model, seqs, device)
-    lps, ent = bib.lm_head_logprobs(h, model.output_weight(), targets, model.backend,
-                                    dist.temperature, dist.min_p, entropy=entropy)
+    lps, ent = model.token_logprobs(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen,
+                                    rows.to(device), targets.to(device), dist.temperature, dist.min_p,
+                                    entropy=entropy)
     return list(lps.split(sizes)), (list(ent.split(sizes)) if entropy else None)
 
 

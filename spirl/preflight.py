@@ -267,13 +267,14 @@ def check_resume(path: str, model_args, reference: dict) -> ckpt.CheckpointInfo:
     return info
 
 
-def check_memory(cfg: TrainConfig, model_args, device: torch.device, max_seq_len: int) -> None:
+def check_memory(cfg: TrainConfig, model_args, device: torch.device, max_seq_len: int, shards: int = 0) -> None:
+    """The memory plan on this GPU; `shards`: the ranks FSDP2 shards over (0: not sharded)."""
     import batch_invariant_backward as bib
 
     from . import memory_plan
 
     props = torch.cuda.get_device_properties(device)
     est = memory_plan.check(model_args, cfg, props.total_memory, f"{device} ({props.name})", max_seq_len=max_seq_len,
-                            logits_chunk_elements=getattr(bib, "LOGITS_CHUNK_ELEMENTS", None))
+                            logits_chunk_elements=getattr(bib, "LOGITS_CHUNK_ELEMENTS", None), shards=shards)
     log.info("memory plan: about %.1f of %.1f GiB (%s)", est.total / memory_plan.GIB,
              props.total_memory / memory_plan.GIB, est.summary())

@@ -36,6 +36,7 @@ import torch
 from . import checkpoint as ckpt
 from . import trainer
 from .config import TrainConfig, to_dict
+from .distributed import World, check_distributed_config, check_distributed_task, init_world, launched_by_torchrun
 from .errors import UserError
 from .evaluation import evaluate, require_eval_set
 from .metrics import MetricsLogger
@@ -59,24 +60,60 @@ _NATIVE = "; on a machine without vLLM/CUDA use --engine native --dtype float32"
 
 
 def save_checkpoint(cfg: TrainConfig, policy: Policy, step: int, model_dir: Path,
-                    reference: dict | None = None) -> Path:
-    state = {"config": to_dict(cfg), "model_dir": str(model_dir)}
+                    reference: dict | None = None) -> Path | None:
+    """Collective when sharded: every rank gathers, rank 0 writes the one-GPU format (so the run
+    resumes on any number of GPUs), and a failed write fails every rank."""
+    world = policy.world
+    state = {"config": to_dict(cfg), "model_dir": str(model_dir), "world_size": world.size}
     if reference is not None:
         state["reference"] = reference
-    path = ckpt.save(Path(cfg.checkpoint_dir) / cfg.run_name, step, policy.masters, policy.optimizer, state)
-    log.info("checkpoint: %s", path)
+    masters = {name: world.full_cpu(p) for name, p in policy.masters.items()}
+    opt = ckpt.optimizer_tensors(policy.optimizer, world.full_cpu)
+    path, error = None, None
+    if world.is_main:
+        try:
+            path = ckpt.save(Path(cfg.checkpoint_dir) / cfg.run_name, step, masters, opt, state)
+        except UserError as e:
+            error = e
+    world.raise_if_any(error)
+    if path is not None:
+        log.info("checkpoint: %s", path)
     return path
 
 
+def _shard_rows(policy: Policy):
+    """For ckpt.load: the rows of each saved tensor this rank holds (None: all of it)."""
+    from .distributed import local_rows
+
+    params = list(policy.masters.values())
+
+    def rows(key: str):
+        head, _, name = key.partition(".")
+        if head.isdigit() and name:  # optimizer state "<param index>.<name>"; `step` is a scalar
+            return None if name == "step" or int(head) >= len(params) else local_rows(params[int(head)])
+        return local_rows(policy.masters[key]) if key in policy.masters else None
+    return rows
+
+
 def resume_into(policy: Policy, path: str, device) -> int:
-    state, masters, opt_state = ckpt.load(path, device)
+    from .distributed import like, local
+
+    sharded = policy.world.sharded
+    state, masters, opt_state = ckpt.load(path, device, _shard_rows(policy) if sharded else None)
     d = ckpt.resolve(path)
     with torch.no_grad():
         for name, p in policy.masters.items():
-            if name not in masters or masters[name].shape != p.shape:
+            if name not in masters or masters[name].shape != local(p).shape:
                 raise ckpt.CheckpointError(f"--resume {d}: {name} does not match the model; resume with the "
                                            "--model that run used")
-            p.copy_(masters[name])
+            local(p).copy_(masters[name])
+    if sharded:  # the optimizer's state tensors are sharded like their parameters
+        params = [p for group in policy.optimizer.param_groups for p in group["params"]]
+        for i, st in opt_state["state"].items():
+            if i < len(params):
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if k in st and st[k].shape == local(params[i]).shape:
+                        st[k] = like(st[k], params[i])
     try:
         policy.optimizer.load_state_dict(opt_state)
     except (ValueError, KeyError, RuntimeError) as e:
@@ -86,7 +123,7 @@ def resume_into(policy: Policy, path: str, device) -> int:
         for p in group["params"]:
             for k in ("exp_avg", "exp_avg_sq"):
                 t = policy.optimizer.state.get(p, {}).get(k)
-                if t is not None and t.shape != p.shape:
+                if t is not None and local(t).shape != local(p).shape:
                     raise ckpt.CheckpointError(f"--resume {d}: its optimizer state has shape {list(t.shape)} for a "
                                                f"parameter of shape {list(p.shape)}; pass another checkpoint")
     policy.push_masters_to_model()
@@ -192,39 +229,50 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     if cfg.engine == "vllm":
         require_batch_invariant(_NATIVE)
         require_vllm(_NATIVE)
+    world = None
+    if launched_by_torchrun():  # join the ranks first: every later check runs on every rank alike
+        world = init_world(resolve_device(cfg.device))
+        check_distributed_config(cfg, world)
+        if not world.is_main:  # rank 0 writes a random:<shape> checkpoint once
+            world.barrier()
     model_dir = resolve_model(cfg.model, cfg.checkpoint_dir)
+    if world is not None and world.is_main:
+        world.barrier()
     _, model_args = validate_model_dir(model_dir)
     reference = {"model": cfg.model, "model_dir": str(model_dir), "fingerprint": model_fingerprint(model_dir)}
     if cfg.resume:
         check_resume(cfg.resume, model_args, reference)
     if cfg.engine == "vllm":
         require_cuda("--engine vllm", _NATIVE)
-    device = resolve_device(cfg.device)
+    device = world.device if world is not None else resolve_device(cfg.device)
+    world = world or World(device=device)
     task = get_task(cfg.task, load_checked_tokenizer(model_dir))
     require_eval_set(task, cfg)
+    check_distributed_task(task, cfg, world)
     limit, source = engine_max_model_len(cfg, model_args)
     longest_prompt = check_prompt_lengths(task, cfg, limit, source)
     if device.type == "cuda":
         single_turn = longest_prompt is not None and not getattr(task, "multi_turn", False)
-        check_memory(cfg, model_args, device, longest_prompt + cfg.max_new_tokens if single_turn else limit)
-    policy = trainer.build_policy(model_dir, cfg, device)
+        check_memory(cfg, model_args, device, longest_prompt + cfg.max_new_tokens if single_turn else limit,
+                     world.size if world.sharded else 0)
+    policy = trainer.build_policy(model_dir, cfg, device, world)
     start = resume_into(policy, cfg.resume, device) if cfg.resume else 0
     engine = trainer.build_engine(cfg, model_dir, policy)
     if longest_prompt is None:
         engine = LengthCheckedEngine(engine, cfg, limit, source)
     trainer.sync_weights(engine, policy, cfg)  # the engine starts from the trainer's exact weights (matters on resume)
     logger = MetricsLogger(run_dir, {"args": to_dict(cfg), "seed": cfg.seed, "model_dir": str(model_dir),
-                                     "device": str(device), "reference": reference},
-                           resume_step=start if cfg.resume else None)
+                                     "device": str(device), "world_size": world.size, "reference": reference},
+                           resume_step=start if cfg.resume else None) if world.is_main else _NoLogger()
     history = []
     try:
         if cfg.eval_every and start == 0:  # the baseline: one eval before the first step
-            logger.log_step(0, evaluate(engine, task, cfg), cfg.steps)
+            logger.log_step(0, evaluate(engine, task, cfg, world), cfg.steps)
         for step in range(start + 1, cfg.steps + 1):
             progress["step"] = step
             scalars = trainer.run_step(step, cfg, task, engine, policy, device, run_dir)
             if cfg.eval_every and step % cfg.eval_every == 0:
-                scalars.update(evaluate(engine, task, cfg))
+                scalars.update(evaluate(engine, task, cfg, world))
             with signals.deferred():  # a step's log line and its checkpoint are written whole
                 logger.log_step(step, scalars, cfg.steps)
                 history.append(scalars)
@@ -233,4 +281,17 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
                 progress["done"] = step
     finally:
         logger.close()
+    if world.sharded:
+        world.barrier()
+        torch.distributed.destroy_process_group()
     return history
+
+
+class _NoLogger:
+    """Ranks other than 0 log nothing (rank 0 logs the reduced scalars of every rank)."""
+
+    def log_step(self, *args) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

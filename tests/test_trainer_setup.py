@@ -97,13 +97,20 @@ def test_engine_gets_the_configs_settings(tiny_ckpt, tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda cfg: built.append(cfg) or cfg)
     cfg = TrainConfig(model=str(tiny_ckpt), engine="vllm", gpu_memory_utilization=0.25, eager=1, max_model_len=9000,
                       vllm_sleep=1, logprobs="raw").validate()
-    trainer.build_engine(cfg, tiny_ckpt, policy=None)
+    from types import SimpleNamespace
+
+    from spirl.distributed import World
+
+    one, ranks = SimpleNamespace(world=World()), SimpleNamespace(world=World(size=2, sharded=True))
+    trainer.build_engine(cfg, tiny_ckpt, policy=one)
     cfg2 = TrainConfig(model=str(tiny_ckpt), engine="vllm").validate()
-    trainer.build_engine(cfg2, tiny_ckpt, policy=None)
-    a, b = built
+    trainer.build_engine(cfg2, tiny_ckpt, policy=one)
+    trainer.build_engine(cfg2, tiny_ckpt, policy=ranks)
+    a, b, c = built
     assert (a.gpu_memory_utilization, a.cuda_graphs, a.max_model_len, a.sleep_between_rollouts, a.logprobs_mode) == \
         (0.25, "none", 9000, True, "raw_logprobs")
     assert (b.cuda_graphs, b.logprobs_mode, b.sleep_between_rollouts) == ("full_decode_only", "processed_logprobs", False)
+    assert (a.external_launcher, b.external_launcher, c.external_launcher) == (False, False, True)  # torchrun
 
 
 @pytest.mark.parametrize("head_dim", [64, 96])

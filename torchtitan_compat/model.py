@@ -145,3 +145,13 @@ class Qwen3VLLMCompatModel(nn.Module):
     def forward(self, tokens, positions, cu_seqlens, max_seqlen=None) -> torch.Tensor:
         h = self.hidden_states(tokens, positions, cu_seqlens, max_seqlen)
         return bib.linear(h, self.output_weight(), self.backend)
+
+    def token_logprobs(self, tokens, positions, cu_seqlens, max_seqlen, rows, targets, temperature=1.0,
+                       min_p=0.0, entropy=False):
+        """float32 logprob of targets[i] under row rows[i]'s distribution (logits / temperature, then
+        min-p), and its entropy when asked: ([N], [N] or None). Only the selected rows go through
+        lm_head (every op after the decoder is row-wise, so selecting first changes no bits). One
+        call is one forward, so a sharded model (FSDP2) gathers its weights for it as for forward."""
+        h = self.hidden_states(tokens, positions, cu_seqlens, max_seqlen)[rows]
+        return bib.lm_head_logprobs(h, self.output_weight(), targets, self.backend, temperature, min_p,
+                                    entropy=entropy)

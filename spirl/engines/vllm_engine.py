@@ -51,6 +51,11 @@ class VLLMEngineConfig:
     sleep_between_rollouts: bool = False
     """Build with vLLM's sleep mode, so `sleep()` can free the KV cache and move the weights to
     host memory while the trainer trains, and `wake_up()` bring them back."""
+    external_launcher: bool = False
+    """Under torchrun: one engine per rank (tensor parallel 1) on that rank's GPU, sharing the
+    trainer's process group (vLLM's `external_launcher` backend; every rank generates its own
+    prompts). Tensor-parallel engines for models larger than one GPU would set
+    tensor_parallel_size > 1 here: vLLM then groups consecutive ranks into one engine."""
 
 
 VLLM_LOGPROBS_MODE = {"sampling": "processed_logprobs", "raw": "raw_logprobs"}
@@ -115,7 +120,8 @@ class VLLMEngine:
         self.llm = LLM(model=cfg.model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=cfg.seed,
                        enable_prefix_caching=False, gpu_memory_utilization=cfg.gpu_memory_utilization,
                        max_model_len=cfg.max_model_len, logprobs_mode=cfg.logprobs_mode,
-                       enable_sleep_mode=cfg.sleep_between_rollouts, **CUDA_GRAPH_MODES[cfg.cuda_graphs])
+                       enable_sleep_mode=cfg.sleep_between_rollouts, **CUDA_GRAPH_MODES[cfg.cuda_graphs],
+                       **({"distributed_executor_backend": "external_launcher"} if cfg.external_launcher else {}))
         self.asleep = False
         self.start_seconds = time.perf_counter() - t0
         log.info("vLLM engine ready in %.1fs (%s, cuda graphs: %s)", self.start_seconds, cfg.model_dir,
