@@ -65,6 +65,29 @@ def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
 
 
+@triton.jit
+def _bi_matmul_tma_kernel(a_desc, b_desc, c_desc, M, N, K,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr):
+    """`_bi_matmul_kernel` with Hopper's TMA unit moving the tiles (host-made tensor descriptors):
+    the same K loop in the same order, one `tl.dot` per 64-wide chunk; TMA fills out-of-bounds
+    elements with zeros, as the masked loads do, so every element gets the same bits."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+        b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+    c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(tl.bfloat16))
+
+
 # (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages); BLOCK_K is always 64.
 CONFIGS = {
     "vllm": (128, 128, 8, 8, 3),      # vLLM 0.26's own bf16 config: the fastest from ~1k rows up
@@ -78,6 +101,13 @@ CONFIGS = {
     # not picked (slower everywhere measured); kept so the bitwise test covers them
     "m128_n256_s4": (128, 256, 8, 8, 4),
     "m128_n64": (128, 64, 8, 4, 4),
+    # TMA loads and stores (`_bi_matmul_tma_kernel`), not picked: bitwise vLLM's (tests/gpu/test_gemm.py),
+    # and at 8192 rows tma_m128_n256 beat m256_n128 by 1-8 % on qkv/o/gate_up/down (compare/bench_gemm.py,
+    # H100), but the one end-to-end try (tma_m256_n128, tma_m128_n128 for qkv) made the trainer's forward
+    # 1.01-1.05x torchtitan, against 0.98-1.02x with the pointer kernel's m256_n128.
+    "tma_m128_n128": (128, 128, 8, 8, 4),
+    "tma_m128_n256": (128, 256, 8, 8, 3),
+    "tma_m256_n128": (256, 128, 8, 8, 3),
 }
 
 
@@ -103,6 +133,13 @@ def pick_config(m: int, n: int, k: int) -> str:
     return "vllm" if 2048 < n <= 4096 else "m256_n128"
 
 
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """TMA needs row-major tensors with 16-byte aligned rows and base addresses (else the pointer
+    kernel runs the same tiles: the same bits either way)."""
+    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in ts)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K].T -> [..., N] in x's dtype (bf16), bitwise equal to vLLM's
     `linear_batch_invariant` for every row count."""
@@ -117,8 +154,18 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
     c = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return c.reshape(*lead, n)
-    bm, bn, gm, warps, stages = CONFIGS[config or pick_config(m, n, k)]
+    config = config or pick_config(m, n, k)
+    bm, bn, gm, warps, stages = CONFIGS[config]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    if config.startswith("tma_") and _tma_ok(a, w, c):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _bi_matmul_tma_kernel[grid](TensorDescriptor.from_tensor(a, [bm, BLOCK_K]),
+                                    TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
+                                    TensorDescriptor.from_tensor(c, [bm, bn]), m, n, k,
+                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=gm,
+                                    num_warps=warps, num_stages=stages)
+        return c.reshape(*lead, n)
     _bi_matmul_kernel[grid](a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0),
                             c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
                             GROUP_M=gm, num_warps=warps, num_stages=stages)
