@@ -196,3 +196,42 @@ def test_sharded_memory_plan_divides_the_optimizer_state():
     assert two.parts["fp32 masters"] == 2 * p and two.parts["fp32 grads"] == 2 * p
     assert two.parts["compute model"] < one.parts["compute model"] / 4  # root + 2 of 36 layers
     assert not one.fits and two.fits  # Qwen3-8B: not on one H200, yes on two
+
+
+def _rank0_of_two(peer):
+    """Rank 0 of a 2-rank World whose peer (rank 1) contributes `peer` to every gather."""
+    from spirl.distributed import World
+
+    class TwoRanks(World):
+        def gather(self, obj):
+            return [obj, self.peer]
+
+    w = TwoRanks(rank=0, size=2, sharded=True)
+    w.peer = peer
+    return w
+
+
+def test_a_mismatch_on_another_rank_fails_this_rank_naming_it(tmp_path):
+    from types import SimpleNamespace
+
+    from spirl.engines.base import Sample
+    from spirl.trainer import ParityError, check_parity
+
+    s = Sample([1, 2], [3, 4], torch.tensor([-1.0, -2.0]))
+    policy = SimpleNamespace(world=_rank0_of_two("tokens compared: 2, different: 1 (report: r1.json)"))
+    with pytest.raises(ParityError, match=r"^step 7: rank 1: tokens compared: 2, different: 1 \(report: r1.json\)$"):
+        check_parity([s], [torch.tensor([-1.0, -2.0])], 7, tmp_path, engine=None, policy=policy)
+    assert not list(tmp_path.iterdir())  # this rank matched: it writes no report
+    policy.world.peer = None  # no rank differs: the report is returned
+    assert check_parity([s], [torch.tensor([-1.0, -2.0])], 7, tmp_path, None, policy).tokens_different == 0
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank():
+    from spirl.errors import EXIT_IO, UserError
+
+    rank0 = _rank0_of_two((UserError, ("could not write checkpoint", EXIT_IO)))
+    with pytest.raises(UserError, match="could not write checkpoint") as e:
+        rank0.raise_if_any(None)
+    assert e.value.exit_code == EXIT_IO
+    rank0.peer = None
+    rank0.raise_if_any(None)  # nobody failed: nothing raised
