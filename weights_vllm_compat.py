@@ -96,33 +96,33 @@ def titan_to_compat(titan_sd: dict, model_args) -> dict:
     return compat
 
 
+def _split_to_titan(compat: dict, model_args, own=lambda t: t) -> dict:
+    """Compat-layout tensors (all of them or any subset) under TorchTitan names: qkv_proj split
+    into wq/wk/wv and gate_up_proj into w1/w3 (views), o_proj -> wo, down_proj -> w2, the rest
+    as they are; `own` applied to each resulting tensor."""
+    q, kv, inter = _dims(model_args)
+    titan = {}
+    for name, t in compat.items():
+        if name.endswith("attention.qkv_proj.weight"):
+            p = name.removesuffix("qkv_proj.weight")
+            pieces = zip((p + "wq.weight", p + "wk.weight", p + "wv.weight"), t.split([q, kv, kv], dim=0))
+        elif name.endswith("feed_forward.gate_up_proj.weight"):
+            p = name.removesuffix("gate_up_proj.weight")
+            pieces = zip((p + "w1.weight", p + "w3.weight"), t.split([inter, inter], dim=0))
+        else:
+            pieces = [(name.replace("attention.o_proj.", "attention.wo.")
+                       .replace("feed_forward.down_proj.", "feed_forward.w2."), t)]
+        titan.update((k, own(v)) for k, v in pieces)
+    return titan
+
+
 def compat_to_titan(compat_sd: dict, model_args, clone: bool = False) -> dict:
     """Compat layout -> TorchTitan state dict (tied: output.weight is the embedding tensor, as
     `weights.hf_to_titan` gives). Split weights are views of the fused ones unless `clone`."""
     check_state_dict(compat_sd, expected_compat_shapes(model_args), "compat state dict", _HINT)
-    q, kv, inter = _dims(model_args)
-    own = (lambda t: t.clone()) if clone else (lambda t: t)
-    titan = {"tok_embeddings.weight": own(compat_sd["tok_embeddings.weight"])}
-    for i in range(model_args.n_layers):
-        t = c = f"layers.{i}."  # same prefix in both layouts
-        wq, wk, wv = compat_sd[c + "attention.qkv_proj.weight"].split([q, kv, kv], dim=0)
-        w1, w3 = compat_sd[c + "feed_forward.gate_up_proj.weight"].split([inter, inter], dim=0)
-        titan.update({
-            t + "attention.wq.weight": own(wq),
-            t + "attention.wk.weight": own(wk),
-            t + "attention.wv.weight": own(wv),
-            t + "attention.wo.weight": own(compat_sd[c + "attention.o_proj.weight"]),
-            t + "attention.q_norm.weight": own(compat_sd[c + "attention.q_norm.weight"]),
-            t + "attention.k_norm.weight": own(compat_sd[c + "attention.k_norm.weight"]),
-            t + "feed_forward.w1.weight": own(w1),
-            t + "feed_forward.w2.weight": own(compat_sd[c + "feed_forward.down_proj.weight"]),
-            t + "feed_forward.w3.weight": own(w3),
-            t + "attention_norm.weight": own(compat_sd[c + "attention_norm.weight"]),
-            t + "ffn_norm.weight": own(compat_sd[c + "ffn_norm.weight"]),
-        })
-    titan["norm.weight"] = own(compat_sd["norm.weight"])
-    titan["output.weight"] = (titan["tok_embeddings.weight"] if model_args.enable_weight_tying
-                              else own(compat_sd["output.weight"]))
+    titan = _split_to_titan(compat_sd, model_args, (lambda t: t.clone()) if clone else (lambda t: t))
+    if model_args.enable_weight_tying:
+        titan["output.weight"] = titan["tok_embeddings.weight"]
     return titan
 
 
@@ -154,18 +154,7 @@ def compat_part_to_hf(compat_part: dict, model_args) -> Iterator[tuple[str, torc
         if tuple(t.shape) != expected[name]:
             raise WeightsError(f"compat weights: {name} has shape {list(t.shape)}, expected {list(expected[name])}; "
                                f"{_HINT}")
-    q, kv, inter = _dims(model_args)
-    titan = {}
-    for name, t in compat_part.items():
-        if name.endswith("attention.qkv_proj.weight"):
-            p = name.removesuffix("qkv_proj.weight")
-            titan.update(zip((p + "wq.weight", p + "wk.weight", p + "wv.weight"), t.split([q, kv, kv], dim=0)))
-        elif name.endswith("feed_forward.gate_up_proj.weight"):
-            p = name.removesuffix("gate_up_proj.weight")
-            titan.update(zip((p + "w1.weight", p + "w3.weight"), t.split([inter, inter], dim=0)))
-        else:
-            titan[name.replace("attention.o_proj.", "attention.wo.").replace("feed_forward.down_proj.", "feed_forward.w2.")] = t
-    return iter(hf_names_of_titan(titan, model_args).items())
+    return iter(hf_names_of_titan(_split_to_titan(compat_part, model_args), model_args).items())
 
 
 def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32,

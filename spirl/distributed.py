@@ -88,6 +88,13 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
+    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """The mean over ranks of each value (each rank's value a mean over the same number of
+        sequences, so this is the mean over all of them)."""
+        if not self.sharded:
+            return dict(values)
+        return dict(zip(values, (v / self.size for v in self.all_sum(list(values.values())))))
+
     def any(self, flag: bool) -> bool:
         return self.all_max(1.0 if flag else 0.0) > 0
 
@@ -179,10 +186,11 @@ def gathered_weight_groups(model: torch.nn.Module, dtype: torch.dtype):
     embedding, each decoder layer, the rest), as {name: tensor} dicts. Casting the local shard
     before gathering is the same elementwise rounding as casting the whole tensor, at half the
     traffic for bf16."""
+    from .metrics import layer_of
+
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, p in model.named_parameters():
-        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
-        groups.setdefault(key, []).append((name, p))
+        groups.setdefault(layer_of(name), []).append((name, p))
     for members in groups.values():
         out = {}
         for name, p in members:

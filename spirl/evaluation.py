@@ -12,6 +12,7 @@ completion counts as correct when the task's reward gives it the full reward, 1.
 from __future__ import annotations
 
 from .config import ConfigError
+from .distributed import World
 
 EVAL_SEED = 20_251_123
 """Sampling seed of pass@k (fixed: the same policy always gets the same eval)."""
@@ -33,9 +34,9 @@ def evaluate(engine, task, cfg, world=None) -> dict[str, float]:
     """eval/* scalars of the current policy on the task's held-out problems. On several ranks
     (spirl.distributed.World) each rank answers every world.size-th problem and the counts are
     summed, so the scalars are the one-process ones."""
+    world = world or World()
     problems = task.eval_problems()
-    rank, size = (world.rank, world.size) if world is not None else (0, 1)
-    mine = problems[rank::size]
+    mine = problems[world.rank::world.size]
     prompts = [ids for ids, _ in mine]
     completions = engine.greedy(prompts, max_tokens=cfg.max_new_tokens)
     counts = [sum(solved(task, c, meta) for c, (_, meta) in zip(completions, mine))]
@@ -45,8 +46,7 @@ def evaluate(engine, task, cfg, world=None) -> dict[str, float]:
                                   seed=[EVAL_SEED] * len(prompts), min_p=cfg.min_p, top_k=cfg.top_k, top_p=cfg.top_p)
         counts.append(sum(any(solved(task, s.completion_ids, meta) for s in samples[i * k:(i + 1) * k])
                           for i, (_, meta) in enumerate(mine)))
-    if world is not None:
-        counts = world.all_sum(counts)
+    counts = world.all_sum(counts)
     out = {"eval/accuracy": counts[0] / len(problems)}
     if k:
         out[f"eval/pass@{k}"] = counts[1] / len(problems)

@@ -312,8 +312,7 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
         if not padding:
             for k, v in {"loss": float(loss.detach()), **m}.items():
                 sums[k] = sums.get(k, 0.0) + w * v
-    if world.sharded:  # every rank holds the same number of sequences: the mean of the ranks' means
-        sums = dict(zip(sums, (v / world.size for v in world.all_sum(list(sums.values())))))
+    sums = world.mean_over_ranks(sums)  # every rank holds the same number of sequences
     with timed(times, "optimizer"):
         if cfg.max_grad_norm > 0:
             clip_grad_norm(list(policy.masters.values()), cfg.max_grad_norm)
@@ -384,8 +383,7 @@ def step_scalars(policy: Policy, samples, rewards: torch.Tensor, report: ParityR
     if world.sharded:
         for r, (c, d) in enumerate(world.gather((report.tokens_compared, report.tokens_different))):
             out[f"parity/rank{r}/tokens_compared"], out[f"parity/rank{r}/tokens_different"] = float(c), float(d)
-        extra = dict(zip(extra, (v / world.size for v in world.all_sum(list(extra.values())))))
-    return {**out, **extra}
+    return {**out, **world.mean_over_ranks(extra)}
 
 
 def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, run_dir: Path) -> dict:
@@ -415,7 +413,8 @@ def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, 
         with torch.no_grad():
             out.update(detect_retokenization(samples, metas, task, policy.model, device))
     if not world.any(bool((adv != 0).any())):
-        (log.warning if world.is_main else log.debug)("step %d: every group has equal rewards, so every advantage is 0: no update this step", step)
+        if world.is_main:  # decided over all ranks: said once
+            log.warning("step %d: every group has equal rewards, so every advantage is 0: no update this step", step)
         out["skipped_update"] = 1.0
         return {**out, **phase_metrics(times)}
     per = len(samples) // cfg.updates_per_batch
