@@ -118,25 +118,30 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        if on_tensor_cores(x):  # one fused pass (kernels.pointwise_backward), same math
-            from kernels.pointwise_backward import rms_norm_backward
-
-            dx, dw = rms_norm_backward(x, weight, grad_out, ctx.eps)
-            return dx, dw.to(weight.dtype), None, None
-        cdt = compute_dtype(x.dtype)
-        xf, wf, g = x.to(cdt), weight.to(cdt), grad_out.to(cdt)
-        n = x.shape[-1]
-        # sum / n, not .mean(): vLLM's batch-invariant mode reroutes aten mean.dim to a slower
-        # Triton kernel in the engine's process; the math is the same.
-        r = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) / n + ctx.eps)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            gw = g * wf
-            dx = r * gw - xf * r.pow(3) * ((gw * xf).sum(-1, keepdim=True) / n)
-            dx = dx.to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = (g * xf * r).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        dx, dw = _rms_norm_grads(x, weight, grad_out, ctx.eps, *ctx.needs_input_grad[:2])
         return dx, dw, None, None
+
+
+def _rms_norm_grads(x, weight, grad_out, eps: float, need_dx: bool = True, need_dw: bool = True):
+    """(dx, dw) of y = rms_norm(x) * weight (RMSNormFunction's math), None where not needed."""
+    if on_tensor_cores(x):  # one fused pass (kernels.pointwise_backward), same math
+        from kernels.pointwise_backward import rms_norm_backward
+
+        dx, dw = rms_norm_backward(x, weight, grad_out, eps)
+        return dx, dw.to(weight.dtype)
+    cdt = compute_dtype(x.dtype)
+    xf, wf, g = x.to(cdt), weight.to(cdt), grad_out.to(cdt)
+    n = x.shape[-1]
+    # sum / n, not .mean(): vLLM's batch-invariant mode reroutes aten mean.dim to a slower
+    # Triton kernel in the engine's process; the math is the same.
+    r = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) / n + eps)
+    dx = dw = None
+    if need_dx:
+        gw = g * wf
+        dx = (r * gw - xf * r.pow(3) * ((gw * xf).sum(-1, keepdim=True) / n)).to(x.dtype)
+    if need_dw:
+        dw = (g * xf * r).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    return dx, dw
 
 
 def rms_norm(x, weight, eps: float, backend):
@@ -288,22 +293,22 @@ class RotaryFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         positions, cos_sin_cache = ctx.saved_tensors
-        dq = dk = None
-        if _fused_rotary(grad_q if grad_q is not None else grad_k, ctx.q_dtype):
-            from kernels.pointwise_backward import rotary_backward
-
-            if ctx.needs_input_grad[1] and grad_q is not None:
-                dq = rotary_backward(grad_q, positions, cos_sin_cache, ctx.q_dtype)
-            if ctx.needs_input_grad[2] and grad_k is not None:
-                dk = rotary_backward(grad_k, positions, cos_sin_cache, ctx.k_dtype)
-            return None, dq, dk, None, None
-        if ctx.needs_input_grad[1] and grad_q is not None:
-            cos, sin = _cos_sin(cos_sin_cache, positions, ctx.q_dtype)
-            dq = _inverse_rotate_neox(grad_q.to(cos.dtype), cos, sin).to(ctx.q_dtype)
-        if ctx.needs_input_grad[2] and grad_k is not None:
-            cos, sin = _cos_sin(cos_sin_cache, positions, ctx.k_dtype)
-            dk = _inverse_rotate_neox(grad_k.to(cos.dtype), cos, sin).to(ctx.k_dtype)
+        dq = _rotary_grad(grad_q, positions, cos_sin_cache, ctx.q_dtype) if ctx.needs_input_grad[1] else None
+        dk = _rotary_grad(grad_k, positions, cos_sin_cache, ctx.k_dtype) if ctx.needs_input_grad[2] else None
         return None, dq, dk, None, None
+
+
+def _rotary_grad(grad, positions, cos_sin_cache, dtype):
+    """dx (in `dtype`) of the neox rotation from its output's gradient (RotaryFunction's math);
+    None for None."""
+    if grad is None:
+        return None
+    if _fused_rotary(grad, dtype):
+        from kernels.pointwise_backward import rotary_backward
+
+        return rotary_backward(grad, positions, cos_sin_cache, dtype)
+    cos, sin = _cos_sin(cos_sin_cache, positions, dtype)
+    return _inverse_rotate_neox(grad.to(cos.dtype), cos, sin).to(dtype)
 
 
 def _fused_rotary(grad: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -323,6 +328,48 @@ def rotary(positions, q, k, cos_sin_cache, backend):
     if not _needs_grad(q, k):
         return _rotary_on_copies(positions, q, k, cos_sin_cache, backend)
     return RotaryFunction.apply(positions, q, k, cos_sin_cache, backend)
+
+
+class QKNormRopeFunction(torch.autograd.Function):
+    """(q_out, k_out) = backend.qk_norm_rope(positions, q, k, wq, wk, eps, cos_sin_cache): Qwen3's
+    per-head RMSNorm of q [T, Hq, D] and k [T, Hk, D], then the neox rotation, as one op (vLLM runs
+    two kernels; the backends give the same bits either way).
+
+    Forward, per head row x with r = 1 / sqrt(mean(x^2) + eps) and c, s the cos, sin of the token's
+    position:
+        y = (x * r) * w,   (y1, y2) -> (y1 c - y2 s, y2 c + y1 s)
+    Backward: the rotation's transpose (RotaryFunction), then RMSNorm's (RMSNormFunction):
+        gy = (g1 c + g2 s, g2 c - g1 s)
+        dx = r * gy w - x r^3 mean(gy w x),   dw = sum over rows of gy x r
+    Saves q and k (views of the qkv output) and recomputes r; nothing [T, H, D] of its own.
+    """
+
+    @staticmethod
+    def forward(ctx, positions, q, k, q_weight, k_weight, eps, cos_sin_cache, backend):
+        ctx.save_for_backward(positions, q, k, q_weight, k_weight, cos_sin_cache)
+        ctx.eps = eps
+        return backend.qk_norm_rope(positions, q, k, q_weight, k_weight, eps, cos_sin_cache)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        positions, q, k, q_weight, k_weight, cos_sin_cache = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dq = dk = dwq = dwk = None
+        if grad_q is not None and (need[1] or need[3]):
+            gy = _rotary_grad(grad_q, positions, cos_sin_cache, q.dtype)
+            dq, dwq = _rms_norm_grads(q, q_weight, gy, ctx.eps, need[1], need[3])
+        if grad_k is not None and (need[2] or need[4]):
+            gy = _rotary_grad(grad_k, positions, cos_sin_cache, k.dtype)
+            dk, dwk = _rms_norm_grads(k, k_weight, gy, ctx.eps, need[2], need[4])
+        return None, dq, dk, dwq, dwk, None, None, None
+
+
+def qk_norm_rope(positions, q, k, q_weight, k_weight, eps: float, cos_sin_cache, backend):
+    """rotary(rms_norm(q) * q_weight, rms_norm(k) * k_weight) at `positions`, heads q [T, Hq, D]
+    and k [T, Hk, D] (views of the qkv output are fine); new tensors, q and k never mutated."""
+    if not _needs_grad(q, k, q_weight, k_weight):
+        return backend.qk_norm_rope(positions, q, k, q_weight, k_weight, eps, cos_sin_cache)
+    return QKNormRopeFunction.apply(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, backend)
 
 
 # --------------------------------------------------------------------------------------------

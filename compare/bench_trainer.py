@@ -160,8 +160,7 @@ def set_ours_ac(model, on: bool) -> str:
 
 def run_ours(model_dir, seqs_by_shape, opts, device, dtype) -> tuple[dict, str, str]:
     from spirl.engines.base import Sample
-    from spirl.parity import sampled_logprobs, sampled_rows
-    from torchtitan_compat import pack
+    from spirl.parity import pack_sampled, sampled_logprobs
     from weights_vllm_compat import load_model
 
     model = load_model(model_dir, device=device, dtype=dtype, backend="auto").requires_grad_(True)
@@ -169,7 +168,8 @@ def run_ours(model_dir, seqs_by_shape, opts, device, dtype) -> tuple[dict, str, 
     for name, seqs in seqs_by_shape.items():
         samples = [Sample(s[:1], s[1:], torch.empty(0)) for s in seqs]  # loss_mask: tokens 1..L-1
         t0 = time.perf_counter()
-        pack([s.ids for s in samples], device=device), sampled_rows(samples)
+        packed, rows, targets, _ = pack_sampled(samples)
+        packed.to(device), rows.to(device), targets.to(device)
         sync(device)
         prep = time.perf_counter() - t0
         run = lambda: torch.cat(sampled_logprobs(model, samples, device))  # noqa: E731

@@ -55,6 +55,14 @@ class SwappedOpBackend:
     def __getattr__(self, item):
         return getattr(self._ref if item == self._op else self._base, item)
 
+    def qk_norm_rope(self, *args):
+        """Qwen3's q/k step as RMSNorm then rotary of this backend, so that a swapped one shows."""
+        from torchtitan_compat.ops import norm_then_rotary
+
+        if self._op in ("rms_norm", "rotary"):
+            return norm_then_rotary(self, *args)
+        return self._base.qk_norm_rope(*args)
+
 
 class ParityHarness:
     def __init__(self, cfg: HarnessConfig):

@@ -30,18 +30,24 @@ BLOCK_K = 64
 
 
 @triton.jit
+def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) that program `pid` computes, in grouped order: GROUP_M row tiles
+    in a row share each column tile while it is in L2. Which program computes a tile does not
+    enter any element's arithmetic."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % group) % group_m, (pid % group) // group_m
+
+
+@triton.jit
 def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                       stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n  # grouped order: GROUP_M row tiles share each column tile in L2
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,14 +78,7 @@ def _bi_matmul_tma_kernel(a_desc, b_desc, c_desc, M, N, K,
     """`_bi_matmul_kernel` with Hopper's TMA unit moving the tiles (host-made tensor descriptors):
     the same K loop in the same order, one `tl.dot` per 64-wide chunk; TMA fills out-of-bounds
     elements with zeros, as the masked loads do, so every element gets the same bits."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])

@@ -50,8 +50,6 @@ _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(\w+)$")
 _OUR_LAYER_HOOKS = (
     ("attention_norm", "input_norm", "out"),
     ("attention.qkv_proj", "qkv_proj", "out"),
-    ("attention.q_norm", "q_norm", "out"),
-    ("attention.k_norm", "k_norm", "out"),
     ("attention.o_proj", "attn", "in"),  # attention output, [T, H*D], as o_proj receives it
     ("attention.o_proj", "o_proj", "out"),
     ("ffn_norm", "post_attn_norm", "out"),
@@ -132,12 +130,15 @@ def _register(store: _Store, module: nn.Module, name: str, kind: str) -> torch.u
 
 
 class _RecordingBackend:
-    """Stands in for the model's kernel backend and records the outputs of `rotary`.
+    """Stands in for the model's kernel backend and records q_norm, k_norm and rotary outputs.
 
-    Our model applies RoPE functionally (`bib.rotary(..., p.backend)`), so no module hook can see
-    it; the backend object is the one seam. Everything else is delegated unchanged, so the
-    forward computes exactly what it would without the proxy. The model calls `rotary` once per
-    layer, in layer order, which is how a call is mapped to its layer.
+    Our model runs Qwen3's q/k RMSNorm and RoPE as one functional op (`bib.qk_norm_rope(...,
+    p.backend)`), so no module hook can see them; the backend object is the one seam. The op's
+    outputs are recorded as `rotary_q/k`; `q_norm/k_norm` are recorded from the backend's own
+    RMSNorm of the same inputs (the op is proven equal to RMSNorm then rotary, bit for bit, so a
+    difference that shows first at `rotary_*` is in the fused step). Everything is delegated
+    unchanged, so the forward computes exactly what it would without the proxy. The model calls
+    the op once per layer, in layer order, which is how a call is mapped to its layer.
     """
 
     def __init__(self, inner, store: _Store):
@@ -146,10 +147,13 @@ class _RecordingBackend:
     def __getattr__(self, attr):
         return getattr(self._inner, attr)
 
-    def rotary(self, positions, q, k, cos_sin_cache):
-        q_rot, k_rot = self._inner.rotary(positions, q, k, cos_sin_cache)
-        self._store.put(f"layers.{self._calls}.rotary_q", q_rot)
-        self._store.put(f"layers.{self._calls}.rotary_k", k_rot)
+    def qk_norm_rope(self, positions, q, k, q_weight, k_weight, eps, cos_sin_cache):
+        layer = f"layers.{self._calls}"
+        self._store.put(f"{layer}.q_norm", self._inner.rms_norm(q, q_weight, eps))
+        self._store.put(f"{layer}.k_norm", self._inner.rms_norm(k, k_weight, eps))
+        q_rot, k_rot = self._inner.qk_norm_rope(positions, q, k, q_weight, k_weight, eps, cos_sin_cache)
+        self._store.put(f"{layer}.rotary_q", q_rot)
+        self._store.put(f"{layer}.rotary_k", k_rot)
         self._calls += 1
         return q_rot, k_rot
 
@@ -178,7 +182,7 @@ def capture_ours(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor
             h.remove()
     store.put("logits", logits)
     if recorder._calls != len(model.layers):
-        raise RuntimeError(f"rotary ran {recorder._calls} times for {len(model.layers)} layers")
+        raise RuntimeError(f"qk_norm_rope ran {recorder._calls} times for {len(model.layers)} layers")
     return store.tensors
 
 

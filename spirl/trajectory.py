@@ -12,6 +12,7 @@ and the loss mask covers exactly the sampled ones.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -52,11 +53,11 @@ class Trajectory:
 
     @property
     def ids(self) -> list[int]:
-        return [t for s in self.segments for t in s.ids]
+        return list(chain.from_iterable(s.ids for s in self.segments))
 
     @property
     def loss_mask(self) -> list[bool]:
-        return [s.sampled for s in self.segments for _ in s.ids]
+        return list(chain.from_iterable([s.sampled] * len(s.ids) for s in self.segments))
 
     @property
     def sampled_ids(self) -> list[int]:

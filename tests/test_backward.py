@@ -137,6 +137,28 @@ def case_rotary(dtype, tokens=7, hq=4, hk=2, head_dim=16):
     )
 
 
+def case_qk_norm_rope(dtype, tokens=7, hq=4, hk=2, head_dim=16):
+    """Qwen3's q/k step: q and k as strided views of one qkv tensor, as the model passes them."""
+    positions, cache = rotary_positions_and_cache(dtype, tokens, head_dim)
+    qkv = _randn(tokens, (hq + 2 * hk) * head_dim, dtype=dtype, seed=17) * 3
+    wq = 1 + 0.5 * _randn(head_dim, dtype=dtype, seed=18)
+    wk = 1 + 0.5 * _randn(head_dim, dtype=dtype, seed=19)
+    eps, split = 1e-6, [hq * head_dim, hk * head_dim, hk * head_dim]
+
+    def heads(qkv):
+        q, k, _ = qkv.split(split, dim=-1)
+        return q.view(tokens, hq, head_dim), k.view(tokens, hk, head_dim)
+
+    def wrapped(qkv, wq, wk):
+        return bib.qk_norm_rope(positions, *heads(qkv), wq, wk, eps, cache, REF)
+
+    def math(qkv, wq, wk):
+        q, k = heads(qkv)
+        return rotary_math(positions, rms_norm_math(q, wq, eps), rms_norm_math(k, wk, eps), cache)
+
+    return (qkv, wq, wk), wrapped, math
+
+
 def case_attention(dtype, lengths=RAGGED_LENGTHS, hq=4, hk=2, head_dim=16, block=128):
     cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     tokens, scale = sum(lengths), head_dim**-0.5
@@ -214,6 +236,7 @@ CASES = {
     "silu_and_mul": case_silu_and_mul,
     "linear": case_linear,
     "rotary": case_rotary,
+    "qk_norm_rope": case_qk_norm_rope,
     "attention_gqa": case_attention,
     "attention_mha": case_attention_mha,
 }
@@ -265,6 +288,7 @@ SMALL_CASES = {
     "silu_and_mul": lambda: case_silu_and_mul(torch.float64, shape=(3, 10)),
     "linear": lambda: case_linear(torch.float64, x_shape=(2, 3, 6), n_out=5),
     "rotary": lambda: case_rotary(torch.float64, tokens=3, hq=2, hk=1, head_dim=4),
+    "qk_norm_rope": lambda: case_qk_norm_rope(torch.float64, tokens=3, hq=2, hk=1, head_dim=4),
     # block=2 so the backward walks several blocks; a zero-length sequence is skipped cleanly
     "attention_gqa": lambda: case_attention(torch.float64, lengths=[1, 5, 0, 4], hq=2, hk=1, head_dim=3, block=2),
     "attention_mha": lambda: case_attention(torch.float64, lengths=[3, 5], hq=2, hk=2, head_dim=3, block=2),
@@ -322,6 +346,10 @@ class RecordingBackend(ReferenceBackend):
         self.calls.append("rotary")
         return super().rotary(*args)
 
+    def qk_norm_rope(self, *args):
+        self.calls.append("qk_norm_rope")
+        return super().qk_norm_rope(*args)
+
     def attention(self, *args):
         self.calls.append("attention")
         return super().attention(*args)
@@ -349,12 +377,19 @@ def test_forward_is_the_backend_output_bitwise():
     got, want = bib.rotary(positions, q, k, cache, backend), REF.rotary(positions, q, k, cache)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
+    wq, wk = leaf(16, seed=10), leaf(16, seed=11)
+    got = bib.qk_norm_rope(positions, q, k, wq, wk, 1e-6, cache, backend)
+    want = REF.qk_norm_rope(positions, q, k, wq, wk, 1e-6, cache)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
     cu_seqlens = torch.tensor([0, 1, 8, 138, 438], dtype=torch.int32)
     q, k, v = leaf(438, 4, 16, seed=7), leaf(438, 2, 16, seed=8), leaf(438, 2, 16, seed=9)
     got = bib.attention(q, k, v, cu_seqlens, 300, 0.25, backend)
     assert torch.equal(got, REF.attention(q, k, v, cu_seqlens, 300, 0.25)[0])
 
-    assert backend.calls == ["rms_norm", "silu_and_mul", "linear", "rotary", "attention"]
+    # qk_norm_rope runs as the backend's one op (the reference composes two of its own inside)
+    assert backend.calls == ["rms_norm", "silu_and_mul", "linear", "rotary", "qk_norm_rope", "rms_norm",
+                             "rms_norm", "rotary", "attention"]
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -61,3 +61,35 @@ def test_run_comparison_sh_help_and_missing_prompt():
     assert ok.returncode == 0 and "EXACT BITWISE MATCH" in ok.stdout
     bad = subprocess.run(["bash", str(ROOT / "run_comparison.sh")], capture_output=True, text=True)
     assert bad.returncode == 2 and "error: no prompt given" in bad.stderr
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "rotary"])
+def test_swapped_norm_or_rotary_reaches_the_models_fused_qk_step(op):
+    """The model runs q/k RMSNorm + rotary as one backend op (qk_norm_rope): swapping either half
+    for the reference must make that op use the reference half, not the base's fused kernel."""
+    from compare.harness import SwappedOpBackend
+    from torchtitan_compat.ops import ReferenceBackend
+
+    class Base(ReferenceBackend):
+        name = "base"
+
+        def qk_norm_rope(self, *args):
+            raise AssertionError("the base's fused op ran although one of its halves is swapped")
+
+        def rms_norm(self, x, weight, eps):
+            return super().rms_norm(x, weight, eps) + (0 if op == "rms_norm" else 1)  # marks the base's
+
+        def rotary(self, positions, q, k, cache):
+            q, k = super().rotary(positions, q, k, cache)
+            return (q + 1, k + 1) if op == "rotary" else (q, k)
+
+    swapped, ref = SwappedOpBackend(Base(), op), ReferenceBackend()
+    pos = torch.tensor([0, 5, 2])
+    q, k, w = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.ones(8)
+    cache = ref.rope_cache(8, 16, 10000.0, torch.float32, "cpu")
+    got = swapped.qk_norm_rope(pos, q, k, w, w, 1e-6, cache)
+    base = Base()
+    norm = ref.rms_norm if op == "rms_norm" else base.rms_norm
+    rot = ref.rotary if op == "rotary" else base.rotary
+    want = rot(pos, norm(q, w, 1e-6), norm(k, w, 1e-6), cache)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -69,9 +69,10 @@ class Attention(nn.Module):
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x, p).split(
             [self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d], dim=-1)
-        q = self.q_norm(q.reshape(t, self.n_heads, d), p)
-        k = self.k_norm(k.reshape(t, self.n_kv_heads, d), p)
-        q, k = bib.rotary(p.positions, q, k, p.rope_cache, p.backend)
+        # q_norm, k_norm then RoPE as one op (one Triton pass on the vllm backend); both norms were
+        # built with the model's norm_eps, so one eps serves both
+        q, k = bib.qk_norm_rope(p.positions, q.view(t, self.n_heads, d), k.view(t, self.n_kv_heads, d),
+                                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, p.rope_cache, p.backend)
         v = v.reshape(t, self.n_kv_heads, d)
         o = bib.attention(q, k, v, p.cu_seqlens, p.max_seqlen, d ** -0.5, p.backend)
         return self.o_proj(o.reshape(t, self.n_heads * d), p)

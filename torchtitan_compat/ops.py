@@ -16,6 +16,8 @@ for `reference` explicitly.
 Tensor conventions (flat token layout, as in vLLM):
     x: [T, K] activations; weight: [N, K]; positions: int64 [T]
     q: [T, Hq, D], k/v: [T, Hk, D]; cu_seqlens: int32 [B+1]
+    qk_norm_rope(positions, q, k, q_weight [D], k_weight [D], eps, cos_sin_cache) returns new
+        (q, k): rotary(rms_norm(q) * q_weight, rms_norm(k) * k_weight); q and k may be views
     attention returns (out [T, Hq, D], lse float32 [Hq, T])
     token_logprobs(logits [T, V], ids int64 [T]) returns float32 [T]
     sampling_logits(logits [T, V], temperature, min_p) returns new [T, V] logits, same dtype: the
@@ -73,6 +75,9 @@ class ReferenceBackend:
         cos, sin = cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # [T, D/2] each
         return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
 
+    def qk_norm_rope(self, positions, q, k, q_weight, k_weight, eps: float, cos_sin_cache):
+        return norm_then_rotary(self, positions, q, k, q_weight, k_weight, eps, cos_sin_cache)
+
     def attention(self, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
         return ref_attention.varlen_causal_attention(q, k, v, cu_seqlens, scale)
 
@@ -92,6 +97,13 @@ class ReferenceBackend:
             threshold = z.max(-1, keepdim=True).values.to(cdt) + math.log(min_p)
             z = z.masked_fill(z.to(cdt) < threshold, float("-inf"))
         return z
+
+
+def norm_then_rotary(backend, positions, q, k, q_weight, k_weight, eps: float, cos_sin_cache):
+    """Qwen3's q/k step as two ops of `backend`, the way vLLM runs it: per-head RMSNorm of q and k
+    (new tensors), then the rotation of those (a backend may rotate them in place)."""
+    return backend.rotary(positions, backend.rms_norm(q, q_weight, eps), backend.rms_norm(k, k_weight, eps),
+                          cos_sin_cache)
 
 
 def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

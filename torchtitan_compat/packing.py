@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -24,6 +26,13 @@ class PackedTokens:
         return list(zip(b[:-1], b[1:]))
 
 
+def flatten(sequences: Sequence[Sequence], dtype, total: int) -> torch.Tensor:
+    """The concatenation of `sequences` (`total` elements in all) as one CPU tensor. Through numpy:
+    `np.fromiter` converts Python ints ~8x faster than `torch.tensor(list)`, and the trainer packs
+    every batch on the host before its forward, with the GPU waiting."""
+    return torch.from_numpy(np.fromiter(chain.from_iterable(sequences), dtype=dtype, count=total))
+
+
 def pack(sequences: Sequence[Sequence[int]], device=None) -> PackedTokens:
     """Concatenate token-id sequences; each must be non-empty."""
     if not sequences:
@@ -31,9 +40,10 @@ def pack(sequences: Sequence[Sequence[int]], device=None) -> PackedTokens:
     lengths = [len(s) for s in sequences]
     if min(lengths) == 0:
         raise ValueError(f"sequence {lengths.index(0)} is empty; every packed sequence needs >= 1 token")
-    tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
-    positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
+    tokens = flatten(sequences, np.int64, sum(lengths))
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    starts = torch.repeat_interleave(cu[:-1].long(), torch.tensor(lengths))
+    positions = torch.arange(len(tokens), dtype=torch.long) - starts
     packed = PackedTokens(tokens, positions, cu, max(lengths))
     return packed.to(device) if device is not None else packed

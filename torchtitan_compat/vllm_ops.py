@@ -9,6 +9,8 @@ docs/vllm-0.26-forward-path.md):
                                             see vllm_patches.py for why the residual add is separate)
     SiLU-and-mul                           torch.ops._C.silu_and_mul    (CUDA)
     rotary (neox, in place)                torch.ops._C.rotary_embedding (CUDA)
+    q/k RMSNorm + rotary (Qwen3)           kernels.qk_norm_rope (Triton; the two ops above in one
+                                            pass, bit for bit; the trainer's only, vLLM runs two)
     attention                              FlashAttention 3 varlen, num_splits=1
     sampled-token logprob                  vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs
                                             (Triton; NOT torch.log_softmax, which differs by ~1e-6)
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import BackendError, batch_invariant_env_enabled
+from .ops import BackendError, batch_invariant_env_enabled, norm_then_rotary
 
 PINNED_VLLM_VERSION = "0.26.0"
 
@@ -81,9 +83,20 @@ class VLLMBackend:
         torch.ops._C.rotary_embedding(positions, q.view(t, -1), k.view(t, -1), d, cos_sin_cache, True)
         return q, k
 
+    def qk_norm_rope(self, positions, q, k, q_weight, k_weight, eps: float, cos_sin_cache):
+        """The two ops above in one Triton pass per tensor, reading q and k in place (no copies)."""
+        from kernels.qk_norm_rope import fusable, norm_rope
+
+        if fusable(q, q_weight, cos_sin_cache) and fusable(k, k_weight, cos_sin_cache):
+            return (norm_rope(q, q_weight, eps, positions, cos_sin_cache),
+                    norm_rope(k, k_weight, eps, positions, cos_sin_cache))
+        return norm_then_rotary(self, positions, q, k, q_weight, k_weight, eps, cos_sin_cache)
+
     def attention(self, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
+        """FA3 reads any token/head strides with a unit last stride (v is a slice of the qkv
+        output): the values, hence the bits, are those of a contiguous copy."""
         out, lse = self._flash_attn(
-            q, k, v.contiguous(), max_seqlen_q=max_seqlen, cu_seqlens_q=cu_seqlens,
+            q, k, v, max_seqlen_q=max_seqlen, cu_seqlens_q=cu_seqlens,
             max_seqlen_k=max_seqlen, cu_seqlens_k=cu_seqlens, softmax_scale=scale, causal=True,
             num_splits=1, fa_version=3, return_softmax_lse=True)
         return out, lse

@@ -100,6 +100,48 @@ def test_rotary_cache_and_kernel(pair):
     assert torch.equal(vq, oq.reshape(T, -1)) and torch.equal(vk, ok.reshape(T, -1))
 
 
+def test_qk_norm_rope_equals_vllms_attention_path(pair):
+    """Our one-pass q/k step == vLLM's Qwen3Attention: qkv split, q_norm/k_norm modules per head,
+    then its rotary module, on strided slices of one qkv output (as the model passes them)."""
+    vm, ours = pair
+    attn, a = vm.model.layers[0].self_attn, ours.args
+    d, hq, hk = a.head_dim, a.n_heads, a.n_kv_heads
+    pos = torch.randint(0, 40960, (T,), device="cuda")
+    for scale, seed in ((1.0, 8), (0.02, 9), (40.0, 10)):
+        qkv = rand(T, (hq + 2 * hk) * d, scale=scale, seed=seed)
+        q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        vq = attn.q_norm(q.reshape(T, hq, d).clone()).reshape(T, hq * d)
+        vk = attn.k_norm(k.reshape(T, hk, d).clone()).reshape(T, hk * d)
+        vq, vk = attn.rotary_emb(pos, vq, vk)
+        oq, ok = ours.backend.qk_norm_rope(pos, q.view(T, hq, d), k.view(T, hk, d), attn.q_norm.weight,
+                                           attn.k_norm.weight, attn.q_norm.variance_epsilon, ours.rope_cache(qkv))
+        assert torch.equal(oq.reshape(T, -1), vq) and torch.equal(ok.reshape(T, -1), vk)
+
+
+@pytest.mark.parametrize("hq,hk,d", [(16, 8, 128), (32, 8, 128), (40, 8, 128), (14, 2, 64), (8, 8, 256)])
+def test_fused_qk_norm_rope_kernel_equals_vllms_two_kernels(hq, hk, d):
+    """kernels.qk_norm_rope against rms_norm_batch_invariant then torch.ops._C.rotary_embedding,
+    over head counts and sizes, 3000 tokens (~100k rows), random norm weights, long positions."""
+    import vllm._custom_ops  # noqa: F401
+    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+    from kernels.qk_norm_rope import fusable, norm_rope
+    from torchtitan_compat.vllm_ops import VLLMBackend
+
+    t, eps = 3000, 1e-6
+    cache = VLLMBackend(require_batch_invariant=False).rope_cache(d, 40960, 1e6, torch.bfloat16, "cuda")
+    pos = torch.randint(0, 40960, (t,), device="cuda")
+    qkv = rand(t, (hq + 2 * hk) * d, scale=3, seed=11)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hk, d)
+    wq, wk = 1 + rand(d, scale=0.3, seed=12), 1 + rand(d, scale=0.3, seed=13)
+    assert fusable(q, wq, cache) and fusable(k, wk, cache)
+    vq, vk = rms_norm_batch_invariant(q, wq, eps), rms_norm_batch_invariant(k, wk, eps)
+    torch.ops._C.rotary_embedding(pos, vq.view(t, -1), vk.view(t, -1), d, cache, True)
+    assert torch.equal(norm_rope(q, wq, eps, pos, cache), vq)
+    assert torch.equal(norm_rope(k, wk, eps, pos, cache), vk)
+
+
 def test_attention_equals_vllm_paged_prefill_and_decode(pair):
     """Contiguous varlen FA3 (trainer) == vLLM's paged-KV calls, for prefill and for decode."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -113,6 +155,9 @@ def test_attention_equals_vllm_paged_prefill_and_decode(pair):
                ((a.n_heads, 5), (a.n_kv_heads, 6), (a.n_kv_heads, 7)))
     out, lse = ours.backend.attention(q, k, v, cu, max(lens), a.head_dim ** -0.5)
     assert lse.shape == (a.n_heads, n)
+    kv = torch.cat([k, v], dim=-1)  # v as the model passes it: a strided slice of a wider tensor
+    strided = ours.backend.attention(q, k, kv[..., a.head_dim:], cu, max(lens), a.head_dim ** -0.5)[0]
+    assert torch.equal(strided, out)
     # vLLM's layout: a paged cache, each sequence in its own run of blocks.
     blocks_per_seq = [(m + block - 1) // block for m in lens]
     kc = torch.zeros(sum(blocks_per_seq) + 1, block, a.n_kv_heads, a.head_dim, dtype=q.dtype, device="cuda")
