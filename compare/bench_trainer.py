@@ -168,8 +168,7 @@ def run_ours(model_dir, seqs_by_shape, opts, device, dtype) -> tuple[dict, str, 
     for name, seqs in seqs_by_shape.items():
         samples = [Sample(s[:1], s[1:], torch.empty(0)) for s in seqs]  # loss_mask: tokens 1..L-1
         t0 = time.perf_counter()
-        packed, rows, targets, _ = pack_sampled(samples)
-        packed.to(device), rows.to(device), targets.to(device)
+        pack_sampled(samples, device)
         sync(device)
         prep = time.perf_counter() - t0
         run = lambda: torch.cat(sampled_logprobs(model, samples, device))  # noqa: E731

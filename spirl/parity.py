@@ -19,9 +19,9 @@ from torchtitan_compat.packing import flatten
 from .engines.base import Sample
 
 
-def pack_sampled(seqs: list[Sample]) -> tuple[PackedTokens, torch.Tensor, torch.Tensor, list[int]]:
-    """The packed batch (CPU) and, from each sequence's `loss_mask`: the rows of that batch that
-    predict sampled tokens, those tokens, and how many each sequence has.
+def pack_sampled(seqs: list[Sample], device=None) -> tuple[PackedTokens, torch.Tensor, torch.Tensor, list[int]]:
+    """The packed batch and, from each sequence's `loss_mask`: the rows of that batch that predict
+    sampled tokens, those tokens, and how many each sequence has; on `device` if given (else CPU).
 
     Works from the mask, so a prompt + completion and a multi-turn trajectory (sampled turns
     between environment replies) are handled alike. Vectorized: the trainer does this on the host
@@ -39,7 +39,10 @@ def pack_sampled(seqs: list[Sample]) -> tuple[PackedTokens, torch.Tensor, torch.
                          "but nothing predicts it")
     picked = mask.nonzero().squeeze(1)  # token j of the batch is predicted by row j - 1
     counts = torch.cat([torch.zeros(1, dtype=torch.long), mask.cumsum(0)])
-    return packed, picked - 1, packed.tokens[picked], (counts[cu[1:]] - counts[cu[:-1]]).tolist()
+    rows, targets = picked - 1, packed.tokens[picked]
+    if device is not None:
+        packed, rows, targets = packed.to(device), rows.to(device), targets.to(device)
+    return packed, rows, targets, (counts[cu[1:]] - counts[cu[:-1]]).tolist()
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,9 @@ def logprob_dist(mode: str, temperature: float, min_p: float = 0.0) -> SamplingD
 
 def _logprobs(model, seqs, device, dist: SamplingDist, entropy: bool):
     """One packed forward over every sequence; the logprob (and entropy) of each sampled token."""
-    packed, rows, targets, sizes = pack_sampled(seqs)
-    packed = packed.to(device)
+    packed, rows, targets, sizes = pack_sampled(seqs, device)
     lps, ent = model.token_logprobs(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen,
-                                    rows.to(device), targets.to(device), dist.temperature, dist.min_p,
+                                    rows, targets, dist.temperature, dist.min_p,
                                     entropy=entropy)
     return list(lps.split(sizes)), (list(ent.split(sizes)) if entropy else None)
 

@@ -41,9 +41,10 @@ def pack(sequences: Sequence[Sequence[int]], device=None) -> PackedTokens:
     if min(lengths) == 0:
         raise ValueError(f"sequence {lengths.index(0)} is empty; every packed sequence needs >= 1 token")
     tokens = flatten(sequences, np.int64, sum(lengths))
+    lens = torch.tensor(lengths)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    starts = torch.repeat_interleave(cu[:-1].long(), torch.tensor(lengths))
+    cu[1:] = torch.cumsum(lens, 0)
+    starts = torch.repeat_interleave(cu[:-1].long(), lens)
     positions = torch.arange(len(tokens), dtype=torch.long) - starts
     packed = PackedTokens(tokens, positions, cu, max(lengths))
     return packed.to(device) if device is not None else packed
