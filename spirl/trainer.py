@@ -303,7 +303,7 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
                                 cfg.clip_eps, cfg.kl_coef, pad(ent)[0], cfg.entropy_coef)
         finite = bool(torch.isfinite(loss))
         if world.any(not finite):
-            what = f"loss is {float(loss)}" if not finite else "the loss is not finite on another rank"
+            what = f"loss is {loss.item()}" if not finite else "the loss is not finite on another rank"
             raise NonFiniteLossError(f"{what}; stopping (the last checkpoint is kept)")
         w = 0.0 if padding else (sl.stop - sl.start) / n  # per-sequence means, weighted: the mini-batch mean
         with timed(times, "backward"):

@@ -1,5 +1,7 @@
-"""Shared pytest fixtures: random Qwen3 checkpoints written once per test session."""
+"""Shared pytest fixtures: random Qwen3 checkpoints written once per test session, and a scratch
+directory per test module that is removed when the module is done."""
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,3 +28,19 @@ def qwen06_2layer_ckpt(tmp_path_factory) -> Path:
 
     return write_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen06_2layer", "Qwen3-0.6B",
                                    num_layers=2, seed=0, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def module_dir(request, tmp_path_factory) -> Path:
+    """A directory for the runs one test module shares, removed when the module's tests are done.
+
+    Why: every training step of the tiny model checkpoints 475 MB (float32 masters + AdamW state),
+    and a module's runs add up to several GB; kept to the end of the session they filled CI's disk.
+    Function-scoped `tmp_path`s are removed on success by `tmp_path_retention_policy` in
+    pyproject.toml. Kept, like those, when a test of the module failed, to look at.
+    """
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    failed_before = request.session.testsfailed
+    yield path
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(path, ignore_errors=True)

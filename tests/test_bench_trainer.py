@@ -24,10 +24,10 @@ SMALL_VOCAB = 4096
 
 
 @pytest.fixture(scope="module")
-def small_vocab_ckpt(tmp_path_factory) -> Path:
+def small_vocab_ckpt(module_dir) -> Path:
     from weights import load_hf_checkpoint, save_hf_checkpoint, write_random_checkpoint
 
-    base = tmp_path_factory.mktemp("bench")
+    base = module_dir
     src = write_random_checkpoint(base / "tiny", "tiny", num_layers=1, seed=0, dtype=torch.float32)
     cfg, sd = load_hf_checkpoint(src)
     cfg.update(vocab_size=SMALL_VOCAB, bos_token_id=0, eos_token_id=1)

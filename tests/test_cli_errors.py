@@ -37,9 +37,9 @@ def _shrink_q_proj(sd):
 
 
 @pytest.fixture(scope="module")
-def cli_runs(tiny_ckpt, tmp_path_factory):
+def cli_runs(tiny_ckpt, module_dir):
     """case -> (expected stderr fragment, expected status, exit code, stdout, stderr) of `python weights.py ...`."""
-    tmp = tmp_path_factory.mktemp("cli")
+    tmp = module_dir
     llama = tmp / "llama"
     llama.mkdir()
     cfg = json.loads((tiny_ckpt / "config.json").read_text())

@@ -62,8 +62,8 @@ def _run(root: Path, name: str, ranks: int, *extra: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("dist")
+def runs(module_dir) -> dict[str, Path]:
+    root = module_dir
     r = {"S": _run(root, "S", 0), "A": _run(root, "A", 2)}
     r["A2"] = _run(root, "A2", 2)
     r["B"] = _run(root, "B", 2, "--resume", str(root / "ck" / "A" / "step_000001"))

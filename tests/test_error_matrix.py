@@ -345,9 +345,9 @@ def _interrupt_run(tiny: Path, tmp: Path, name: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def matrix(tiny_ckpt, tmp_path_factory):
+def matrix(tiny_ckpt, module_dir):
     """name -> (case, returncode, stdout, stderr, seconds); interrupt cases also get their resume run."""
-    tmp = tmp_path_factory.mktemp("matrix")
+    tmp = module_dir
     (tmp / "wrapper.py").write_text(WRAPPER)
     for name, src in PATCHES.items():
         (tmp / f"{name}.py").write_text(textwrap.dedent(src))

@@ -87,8 +87,8 @@ def to_4x_shape(cfg: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hf_configs")
+def checkpoints(module_dir):
+    tmp = module_dir
     dirs = {name: write_hf_checkpoint(tmp / name, **kw) for name, kw in CONFIGS.items()}
     dirs[LEGACY] = rewrite_config(dirs["untied_gqa2_theta1e4"], tmp / LEGACY, to_4x_shape)
     return dirs

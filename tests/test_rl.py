@@ -95,11 +95,11 @@ def _cfg(tiny_ckpt, tmp: Path, **kw) -> TrainConfig:
 
 
 @pytest.fixture(scope="module")
-def two_runs(tiny_ckpt, tmp_path_factory):
+def two_runs(tiny_ckpt, module_dir):
     """An uninterrupted 2-step run, and a run resumed from its step-1 checkpoint."""
     from spirl.run import train
 
-    tmp = tmp_path_factory.mktemp("rl")
+    tmp = module_dir
     full_cfg = _cfg(tiny_ckpt, tmp)
     full = train(full_cfg)
     resumed_cfg = _cfg(tiny_ckpt, tmp, run_name="resumed", resume=str(tmp / "ckpt" / "full" / "step_000001"))
