@@ -304,7 +304,7 @@ def _mt_cfg(ckpt, tmp: Path, **kw):
 
 
 def _scripted(monkeypatch, tok, break_turn: int | None = None):
-    from spirl import run, trainer
+    from spirl import trainer
 
     def build(cfg, model_dir, policy):
         engine = ScriptedEngine(policy.model, tok)
