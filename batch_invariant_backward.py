@@ -25,7 +25,8 @@ Public functional API (what the model calls):
     rotary(positions, q, k, cos_sin_cache, backend) -> (q_rot, k_rot)
     attention(q, k, v, cu_seqlens, max_seqlen, scale, backend, block=128) -> out
     token_logprobs(logits, ids, backend) -> float32 [T]
-    lm_head_logprobs(h, weight, ids, backend, temperature, min_p, entropy) -> (float32 [N], [N] | None)
+    lora_linear(x, merged_weight, slices, scale, backend, adapters)   (gradients for the LoRA adapters)
+    lm_head_logprobs(h, weight, ids, backend, temperature, min_p, entropy, lora) -> (float32 [N], [N] | None)
 
 When no input needs a gradient (or under `torch.no_grad()`), these call the backend directly and
 save nothing.
@@ -251,6 +252,78 @@ def linear(x, weight, backend):
     if not _needs_grad(x, weight):
         return backend.linear(x, weight)
     return LinearFunction.apply(x, weight, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA on a merged weight
+# --------------------------------------------------------------------------------------------
+
+
+def _lora_grads(g2, x2, a, b, scale: float, need_a: bool = True, need_b: bool = True):
+    """(dA, dB) of one LoRA adapter whose update s B A is merged into W' of y = x W'^T, from the
+    output gradient g2 [T, N] (this adapter's output rows) and the input x2 [T, K]; A [r, K], B [N, r]:
+        u = x A^T   [T, r]          v = g B   [T, r]
+        dB = s g^T u   [N, r]       dA = s v^T x   [r, K]
+    Low-rank products only: no [N, K] gradient is ever formed. Returned in the adapter's dtype
+    (the float32 masters). Tensor-core inputs: bf16 operands with fp32 accumulation (u and v are
+    kept in fp32 and rounded to bf16 only as GEMM operands); otherwise the compute dtype."""
+    lowp = on_tensor_cores(x2)
+    cdt = torch.float32 if lowp else compute_dtype(x2.dtype)
+    op = x2.dtype if lowp else cdt  # the dtype GEMM operands are given in
+
+    def mm(p, q):
+        return _mm(p.to(op), q.to(op), cdt)
+
+    da = db = None
+    if need_b:
+        db = (mm(g2.t(), mm(x2, a.t())) * scale).to(b.dtype)
+    if need_a:
+        da = (mm(mm(g2, b).t(), x2) * scale).to(a.dtype)
+    return da, db
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """y = backend.linear(x, W') for a weight W' [N, K] into which LoRA adapters are merged: row
+    block i (rows o_i .. o_i + n_i) of W' is bf16(W_i + s B_i A_i), A_i [r, K], B_i [n_i, r], with
+    W the frozen base (spirl's LoRA keeps W' in the engine; see torchtitan_compat/lora.py).
+
+    Forward: exactly the plain linear's, y = x W'^T (the same kernel on the same W' the rollout
+    engine serves, so the logprobs are the engine's bit for bit).
+    Backward, taking the bf16 rounding of W' as the identity (the usual mixed-precision
+    straight-through step), with g_i = g[:, o_i : o_i + n_i]:
+        dx   = g W'
+        dB_i = s g_i^T (x A_i^T)
+        dA_i = s (g_i B_i)^T x
+    and no gradient for W' (frozen). `slices` = ((o_i, n_i), ...), `adapters` = (A_0, B_0, A_1, ...).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, slices, scale, backend, *adapters):
+        ctx.save_for_backward(x, weight, *adapters)
+        ctx.slices, ctx.scale = slices, scale
+        return backend.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, *adapters = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        g2 = grad_out.reshape(-1, weight.shape[0])
+        x2 = x.reshape(-1, x.shape[-1])
+        dx = _mm(g2, weight, x.dtype).reshape(x.shape) if need[0] else None
+        grads = []
+        for i, (o, n) in enumerate(ctx.slices):
+            need_a, need_b = need[5 + 2 * i], need[6 + 2 * i]
+            grads += _lora_grads(g2[:, o:o + n], x2, adapters[2 * i], adapters[2 * i + 1], ctx.scale,
+                                 need_a, need_b) if need_a or need_b else (None, None)
+        return (dx, None, None, None, None, *grads)
+
+
+def lora_linear(x, weight, slices, scale: float, backend, adapters):
+    """x W'^T for a merged LoRA weight W' (LoRALinearFunction), differentiable in x and in the
+    adapters (A_0, B_0, A_1, B_1, ...) of the row blocks `slices`."""
+    if not _needs_grad(x, *adapters):
+        return backend.linear(x, weight)
+    return LoRALinearFunction.apply(x, weight, tuple(slices), scale, backend, *adapters)
 
 
 # --------------------------------------------------------------------------------------------
@@ -600,13 +673,17 @@ class LMHeadLogprobsFunction(torch.autograd.Function):
         dh_c = dlogits W,   dW += dlogits^T h_c
     The GEMMs are tensor-core GEMMs on a GPU (`_mm`); dW is accumulated in float32 over the
     chunks in chunk order and rounded once to W's dtype.
+    A LoRA head (W merged from a frozen base and s B A; `lora_scale`, `lora_a`, `lora_b` given):
+    instead of dW, per chunk dB += s dlogits^T (h_c A^T) and dA += s (dlogits B)^T h_c
+    (LoRALinearFunction's math), accumulated in float32 in chunk order.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, ids, temperature, min_p, want_entropy, backend):
+    def forward(ctx, h, weight, ids, temperature, min_p, want_entropy, backend, lora_scale=None, lora_a=None,
+                lora_b=None):
         lp, ent = _lm_head_logprobs_forward(h, weight, ids, temperature, min_p, want_entropy, backend)
-        ctx.save_for_backward(h, weight, ids)
-        ctx.temperature, ctx.min_p, ctx.backend = temperature, min_p, backend
+        ctx.save_for_backward(h, weight, ids, lora_a, lora_b)
+        ctx.temperature, ctx.min_p, ctx.backend, ctx.lora_scale = temperature, min_p, backend, lora_scale
         ctx.set_materialize_grads(False)  # an unused output (the entropy of a metric) costs nothing
         if ent is None:
             return lp
@@ -614,10 +691,17 @@ class LMHeadLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent=None):
-        h, weight, ids = ctx.saved_tensors
+        h, weight, ids, lora_a, lora_b = ctx.saved_tensors
         cdt = compute_dtype(h.dtype)
-        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if ctx.needs_input_grad[1] else None
+        need = ctx.needs_input_grad
+        dh = torch.empty_like(h) if need[0] else None
+        dw = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need[1] else None
+        lora = None
+        if lora_a is not None and (need[8] or need[9]):  # [dA, dB] summed over chunks in float32
+            lora = [torch.zeros(lora_a.shape, dtype=torch.float32 if cdt != torch.float64 else cdt,
+                                device=lora_a.device) if need[8] else None,
+                    torch.zeros(lora_b.shape, dtype=torch.float32 if cdt != torch.float64 else cdt,
+                                device=lora_b.device) if need[9] else None]
         for sl in _row_chunks(h.shape[0], weight.shape[0]):
             z = _chunk_forward(h[sl], weight, ids[sl], ctx.temperature, ctx.min_p, ctx.backend)
             if on_tensor_cores(z):  # the same math in one Triton pass per row
@@ -625,7 +709,7 @@ class LMHeadLogprobsFunction(torch.autograd.Function):
 
                 dlogits = logprob_backward(z, ids[sl], None if grad_lp is None else grad_lp[sl],
                                            None if grad_ent is None else grad_ent[sl], 1.0 / ctx.temperature)
-                _accumulate_lm_head_grads(dlogits, h, weight, sl, dh, dw)
+                _accumulate_lm_head_grads(dlogits, h, weight, sl, dh, dw, lora, lora_a, lora_b, ctx.lora_scale)
                 continue
             logp, p = _log_softmax_and_probs(z)
             if grad_lp is None:
@@ -638,23 +722,35 @@ class LMHeadLogprobsFunction(torch.autograd.Function):
                 dz -= grad_ent[sl].to(cdt)[:, None] * torch.where(p > 0, p * (logp + ent[:, None]), 0.0)
             if ctx.temperature != 1.0:
                 dz /= ctx.temperature
-            _accumulate_lm_head_grads(dz.to(h.dtype), h, weight, sl, dh, dw)
-        return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None, None
+            _accumulate_lm_head_grads(dz.to(h.dtype), h, weight, sl, dh, dw, lora, lora_a, lora_b, ctx.lora_scale)
+        da, db = (None, None) if lora is None else (None if g is None else g.to(t.dtype)
+                                                    for g, t in zip(lora, (lora_a, lora_b)))
+        return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None, None, None, da, db
 
 
-def _accumulate_lm_head_grads(dlogits, h, weight, sl, dh, dw) -> None:
-    """dh[sl] = dlogits W;  dw += dlogits^T h[sl] (float32), for one chunk of rows."""
+def _accumulate_lm_head_grads(dlogits, h, weight, sl, dh, dw, lora=None, lora_a=None, lora_b=None,
+                              scale=None) -> None:
+    """dh[sl] = dlogits W;  dw += dlogits^T h[sl] (float32); for a LoRA head, [dA, dB] += the
+    adapter's low-rank gradients (`_lora_grads`) instead; for one chunk of rows."""
     if dh is not None:
         dh[sl] = _mm(dlogits, weight, h.dtype)
     if dw is not None:
         dw += _mm(dlogits.t(), h[sl], dw.dtype)
+    if lora is not None:
+        da, db = _lora_grads(dlogits, h[sl], lora_a, lora_b, scale, lora[0] is not None, lora[1] is not None)
+        for acc, g in zip(lora, (da, db)):
+            if acc is not None:
+                acc += g.to(acc.dtype)
 
 
 def lm_head_logprobs(h, weight, ids, backend, temperature: float = 1.0, min_p: float = 0.0,
-                     entropy: bool = False):
+                     entropy: bool = False, lora=None):
     """float32 log-probabilities [N] of ids [N] under softmax(sampling_logits(h W^T)), and the
-    entropies [N] of those distributions when `entropy` (else None). See LMHeadLogprobsFunction."""
-    if not _needs_grad(h, weight):
+    entropies [N] of those distributions when `entropy` (else None). See LMHeadLogprobsFunction.
+    `lora` = (A, B, scale) when W is a merged LoRA head: then A and B get the gradients
+    (`_lora_grads`, summed over the row chunks in order) and W none."""
+    a, b, scale = lora if lora is not None else (None, None, None)
+    if not _needs_grad(h, weight, *(t for t in (a, b) if t is not None)):
         return _lm_head_logprobs_forward(h, weight, ids, temperature, min_p, entropy, backend)
-    out = LMHeadLogprobsFunction.apply(h, weight, ids, temperature, min_p, entropy, backend)
+    out = LMHeadLogprobsFunction.apply(h, weight, ids, temperature, min_p, entropy, backend, scale, a, b)
     return out if entropy else (out, None)

@@ -3,6 +3,7 @@
     python weights.py --random {tiny,Qwen3-0.6B,Qwen3-1.7B} [--layers N] [--seed S] [--dtype bf16|fp32] --out DIR
     python weights.py --download REPO_ID --out DIR
     python weights.py --check DIR
+    python weights.py --merge-lora ADAPTER_DIR --model BASE_DIR --out DIR [--device auto|cpu|cuda]
 
 Every checkpoint is validated against its own config.json before use: each expected tensor must
 be there with the shape the config implies, and nothing else may be. Problems raise `WeightsError`
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from torchtitan_compat.lora import LoRAError
 from torchtitan_compat.config import (
     SHAPES,
     ConfigError,
@@ -383,19 +385,57 @@ def atomic_directory(out: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def save_hf_checkpoint(hf_sd: dict, src_dir: str | Path, out: str | Path) -> Path:
-    """Write an HF checkpoint: `hf_sd` as model.safetensors (float32) plus every other file of
-    `src_dir` (config, generation config, tokenizer), atomically."""
+def save_hf_checkpoint(hf_sd: dict, src_dir: str | Path, out: str | Path, dtype: torch.dtype | None = torch.float32,
+                       config: dict | None = None) -> Path:
+    """Write an HF checkpoint: `hf_sd` as model.safetensors (in `dtype`; None keeps each tensor's)
+    plus every other file of `src_dir` (config, generation config, tokenizer; not its weights),
+    atomically. `config`: a config.json to write instead of src_dir's."""
     from safetensors.torch import save_file
 
     src_dir, out = Path(src_dir), Path(out)
     with atomic_directory(out) as tmp:
         for f in src_dir.iterdir():
-            if f.is_file() and not f.name.startswith("model.safetensors"):
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, tmp / f.name)
-        save_file({k: v.detach().float().contiguous().cpu() for k, v in hf_sd.items()},
-                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file({k: (v.detach() if dtype is None else v.detach().to(dtype)).contiguous().cpu()
+                   for k, v in hf_sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def merge_lora(adapter_dir: str | Path, model_dir: str | Path, out: str | Path, device: str = "auto") -> Path:
+    """Write base checkpoint `model_dir` with the PEFT LoRA adapter `adapter_dir` merged in, as an
+    HF checkpoint `out` in the base's dtype: each adapted weight becomes round(W + s B A) computed as
+    PEFT's merge computes it (torchtitan_compat.lora.merged, the very function training merges
+    with: on the GPU the bits are those the rollout engine served). An adapted lm_head of a model
+    with tied embeddings is written as an untied lm_head (tie_word_embeddings false): the adapter
+    changed the output projection, not the input embedding."""
+    from torchtitan_compat.lora import merged
+    from torchtitan_compat.peft_adapter import hf_module, param_name, read_adapter
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise WeightsError(f"{out} already exists and is not empty; remove it or choose another --out")
+    cfg, hf_sd = load_hf_checkpoint(model_dir)
+    args = model_args_from_hf_config(cfg)
+    spec, params, _ = read_adapter(adapter_dir, args)
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    untie = "lm_head" in spec.targets and args.enable_weight_tying
+    out_sd = dict(hf_sd)
+    for target in spec.targets:
+        for layer in [None] if target == "lm_head" else range(args.n_layers):
+            name = hf_module(target, layer) + ".weight"
+            w = hf_sd["model.embed_tokens.weight"] if untie and target == "lm_head" else hf_sd[name]
+            a, b = (params[param_name(target, layer, x)].to(dev) for x in "AB")
+            out_sd[name] = merged(w, a, b, spec.scale, w.dtype, dev).cpu()
+    if untie:
+        cfg = {**cfg, "tie_word_embeddings": False}
+        out_sd = {**out_sd, "lm_head.weight": out_sd.pop("lm_head.weight")}  # the head after everything else
+    logger.info("merged %s (rank %d, alpha %g, %s) into %s on %s", adapter_dir, spec.rank, spec.alpha,
+                ",".join(spec.targets), model_dir, dev)
+    return save_hf_checkpoint(out_sd, model_dir, out, dtype=None, config=cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +471,11 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"write a random checkpoint of this shape: {', '.join(SHAPES)}")
     mode.add_argument("--download", metavar="REPO_ID", help=f"download a Hugging Face repo (e.g. {DEFAULT_MODEL})")
     mode.add_argument("--check", metavar="DIR", help="load and validate a checkpoint directory, print a summary")
-    p.add_argument("--out", metavar="DIR", help="output directory for --random / --download")
+    mode.add_argument("--merge-lora", metavar="ADAPTER_DIR",
+                      help="merge a PEFT LoRA adapter into --model, writing an HF checkpoint to --out")
+    p.add_argument("--out", metavar="DIR", help="output directory for --random / --download / --merge-lora")
+    p.add_argument("--model", metavar="DIR", help="--merge-lora: the base checkpoint the adapter was trained on")
+    p.add_argument("--device", default="auto", help="--merge-lora: where to merge: auto (cuda if present), cpu, cuda")
     p.add_argument("--layers", type=int, help="--random: number of layers (default: the shape's)")
     p.add_argument("--seed", type=int, default=0, help="--random: generator seed (default 0)")
     p.add_argument("--dtype", choices=list(_CLI_DTYPES), default="bf16", help="--random: weight dtype (default bf16)")
@@ -452,8 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     with --debug or SPIRL_DEBUG=1)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if (args.random or args.download) and not args.out:
-        parser.error("--out DIR is required with --random and --download")
+    if (args.random or args.download or args.merge_lora) and not args.out:
+        parser.error("--out DIR is required with --random, --download and --merge-lora")
+    if args.merge_lora and not args.model:
+        parser.error("--merge-lora needs --model BASE_DIR, the checkpoint the adapter was trained on")
     debug = args.debug or os.environ.get("SPIRL_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 
@@ -469,10 +515,12 @@ def main(argv: list[str] | None = None) -> int:
                                                 dtype=_CLI_DTYPES[args.dtype], overwrite=args.force)
         elif args.download:
             model_dir = resolve_model_dir(args.download, local_dir=args.out)
+        elif args.merge_lora:
+            model_dir = merge_lora(args.merge_lora, args.model, args.out, args.device)
         else:
             model_dir = Path(args.check)
         cfg, sd = load_hf_checkpoint(model_dir)
-    except (WeightsError, ConfigError) as e:
+    except (WeightsError, ConfigError, LoRAError) as e:
         return fail(str(e), EXIT_CHECKPOINT, e)
     except OSError as e:
         where = f" {e.filename}" if e.filename else ""

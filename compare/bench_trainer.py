@@ -3,6 +3,7 @@
     python compare/bench_trainer.py [--model DIR | --shape Qwen3-1.7B [--layers N]]
         [--shapes 8x1024,2x8192,mixed64] [--iters 5] [--warmup 2] [--json OUT] [--device cuda]
         [--activation-checkpointing 0|1] [--tt-attn auto|sdpa|varlen|flex] [--peak-tflops F]
+        [--lora-rank R [--lora-targets T]]
     GPU host:  source .gpu/device-env.sh && VLLM_BATCH_INVARIANT=1 python compare/bench_trainer.py
     CPU smoke: python compare/bench_trainer.py --device cpu --shape tiny --shapes 2x64,mixed4
 
@@ -43,6 +44,9 @@ MFU = model FLOPs / time / peak dense bf16 FLOP/s (H100 SXM, H200: 989 TFLOP/s; 
   N_mm = n_layers * (D*(Hq + 2*Hkv)*Dh + Hq*Dh*D + 3*D*I) + V*D  (matmul weights incl. lm_head)
   A    = n_layers * sum over sequences of 2 matmuls * 2 FLOPs * L^2/2 * Hq * Dh  (causal attention)
 Recomputation (activation checkpointing, the chunked head) and padding are not model FLOPs.
+--lora-rank R adds "+LoRA" rows: ours again with the base frozen and LoRA adapters (alpha 32) on
+--lora-targets, fwd+bwd giving the adapters' gradients only (torchtitan_compat.lora), timed next to
+ours with full fine-tuning.
 Check, per shape: the per-token logprobs agree, |sum_ours - sum_tt| <= 1e-2 |sum_tt| and
 rms(ours - tt) <= 0.25 std(tt) (measured: 1e-4 and 0.04 for all 28 layers of Qwen3-1.7B in bf16;
 a wrong position, mask or weight is off by about the logprobs' own spread). Exit 1 if not.
@@ -165,14 +169,23 @@ def run_ours(model_dir, seqs_by_shape, opts, device, dtype) -> tuple[dict, str, 
 
     model = load_model(model_dir, device=device, dtype=dtype, backend="auto").requires_grad_(True)
     ac, results = set_ours_ac(model, bool(opts.activation_checkpointing)), {}
+    runs = {}
     for name, seqs in seqs_by_shape.items():
         samples = [Sample(s[:1], s[1:], torch.empty(0)) for s in seqs]  # loss_mask: tokens 1..L-1
         t0 = time.perf_counter()
         pack_sampled(samples, device)
         sync(device)
         prep = time.perf_counter() - t0
-        run = lambda: torch.cat(sampled_logprobs(model, samples, device))  # noqa: E731
-        results[name] = {**check_and_time(run, model, opts, device, f"ours {name}"), "host_prep_s": prep}
+        runs[name] = lambda samples=samples: torch.cat(sampled_logprobs(model, samples, device))
+        results[name] = {**check_and_time(runs[name], model, opts, device, f"ours {name}"), "host_prep_s": prep}
+    if opts.lora_rank:  # the same model, base frozen, adapters on: what a LoRA run's trainer computes
+        from torchtitan_compat.lora import DEFAULT_ALPHA, LoRASpec, apply_lora, parse_targets
+
+        model.requires_grad_(False)
+        spec = LoRASpec(opts.lora_rank, DEFAULT_ALPHA, parse_targets(opts.lora_targets))
+        apply_lora(model, spec, {k: v.detach() for k, v in model.state_dict().items()}, seed=0)
+        for name in seqs_by_shape:
+            results[name]["lora"] = check_and_time(runs[name], model, opts, device, f"ours+LoRA {name}")
     return results, ac, model.backend.name
 
 
@@ -324,6 +337,15 @@ def report(name, lengths, a, ours, tt, peak_tflops) -> dict:
         for side, d in sides.items():
             if d.get("error") not in (None, "OOM"):
                 print(f"  {p} {side}: {d['error']}")
+        lora = ours.get("lora", {}).get(p)
+        if lora is not None:
+            out[p]["lora"] = {"error": lora["error"]} if "error" in lora else {
+                **lora, "tok_s": tokens / lora["s"], "vs_full": lora["s"] / o["s"] if "s" in o else None,
+                "vs_torchtitan": lora["s"] / t["s"] if "s" in t else None}
+            d = out[p]["lora"]
+            print(f"{'  +LoRA':8s} {cell(d, 's', '{:.4f}'):>9s} {'':>9s} {cell(d, 'vs_torchtitan', '{:.2f}'):>6s} "
+                  f"{cell(d, 'tok_s', '{:.0f}'):>11s} {'':>11s} {'':>8s} {'':>8s} {cell(d, 'peak_gib', '{:.2f}'):>8s}"
+                  f"   {cell(d, 'vs_full', '{:.2f}')}x ours full fine-tuning")
     return out
 
 
@@ -344,6 +366,9 @@ def parse_args(argv=None):
     p.add_argument("--tt-logits-chunk", type=int, help="torchtitan head rows per chunk (0 = one block; "
                    "default: ours' chunk, bib.LOGITS_CHUNK_ELEMENTS // vocab, else 0)")
     p.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s for MFU (default: by GPU name)")
+    p.add_argument("--lora-rank", type=int, default=0, help="also time ours with LoRA adapters of this rank on a "
+                   "frozen base (the +LoRA rows: time, and its ratio to ours with full fine-tuning); 0 = off")
+    p.add_argument("--lora-targets", default="", help="with --lora-rank: modules to adapt (default all-linear)")
     opts = p.parse_args(argv)
     try:
         opts.lengths = {s: batch_lengths(s) for s in opts.shapes.split(",")}
@@ -351,6 +376,8 @@ def parse_args(argv=None):
         p.error(str(e))
     if opts.iters < 1 or opts.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
+    if opts.lora_rank < 0:
+        p.error("--lora-rank must be >= 1 (0 = off)")
     return opts
 
 

@@ -90,24 +90,27 @@ def main(argv=None) -> int:
     ids = prompt_ids(args, tokenizer)
     harness = ParityHarness(HarnessConfig(model_dir, args.backend, args.swap_op, args.seed,
                                           args.gpu_memory_utilization))
-    prompts = [ids] + filler_prompts(args.batch - 1, args.seed)
-    samples = harness.generate(prompts, args.samples, args.max_tokens, args.temperature, args.seed)
-    report, trainer = harness.compare(samples, args.temperature)
-    for i in range(args.samples):  # the user's prompt comes first: its samples are 0..n-1
-        print(f"\nsample {i}: prompt {len(ids)} tokens, {len(samples[i].completion_ids)} generated")
-        print("\n".join(format_rows(samples[i].completion_ids, samples[i].logprobs, trainer[i],
-                                    tokenizer.decode)))
-    print(f"\nprompts in the generate call: {len(prompts)}, samples: {len(samples)}, "
-          f"trainer backend: {harness.model.backend.name}")
-    print(f"Bitwise identical: {report.bitwise_identical}")
-    print(f"Tokens compared: {report.tokens_compared}")
-    print(f"Tokens different: {report.tokens_different}")
-    print(report.summary().split(" - ")[-1])
-    if not report.bitwise_identical and args.localize:
-        from spirl.localize import localize_sample
+    try:
+        prompts = [ids] + filler_prompts(args.batch - 1, args.seed)
+        samples = harness.generate(prompts, args.samples, args.max_tokens, args.temperature, args.seed)
+        report, trainer = harness.compare(samples, args.temperature)
+        for i in range(args.samples):  # the user's prompt comes first: its samples are 0..n-1
+            print(f"\nsample {i}: prompt {len(ids)} tokens, {len(samples[i].completion_ids)} generated")
+            print("\n".join(format_rows(samples[i].completion_ids, samples[i].logprobs, trainer[i],
+                                        tokenizer.decode)))
+        print(f"\nprompts in the generate call: {len(prompts)}, samples: {len(samples)}, "
+              f"trainer backend: {harness.model.backend.name}")
+        print(f"Bitwise identical: {report.bitwise_identical}")
+        print(f"Tokens compared: {report.tokens_compared}")
+        print(f"Tokens different: {report.tokens_different}")
+        print(report.summary().split(" - ")[-1])
+        if not report.bitwise_identical and args.localize:
+            from spirl.localize import localize_sample
 
-        print(localize_sample(harness, samples[report.first_mismatch[0]].ids))
-    return 0 if report.bitwise_identical else 1
+            print(localize_sample(harness, samples[report.first_mismatch[0]].ids))
+        return 0 if report.bitwise_identical else 1
+    finally:
+        harness.close()  # a clean exit (VLLMEngine.close)
 
 
 if __name__ == "__main__":

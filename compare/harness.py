@@ -85,6 +85,10 @@ class ParityHarness:
             self.model.backend = SwappedOpBackend(self.model.backend, cfg.swap_op)
         log.info("trainer kernel backend: %s", self.model.backend.name)
 
+    def close(self) -> None:
+        """Shut the engine down (VLLMEngine.close): a clean process exit."""
+        self.engine.close()
+
     def generate(self, prompts, n, max_tokens, temperature, seed, min_p: float = 0.0) -> list[Sample]:
         return self.engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature,
                                     seed=seed, min_p=min_p)

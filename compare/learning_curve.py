@@ -12,6 +12,13 @@ Stages, each its own process (vLLM reads its environment at import), each logged
   4. compare/plot_run.py                 <out>/curve.png
 Then prints the first eval, the best of the last three, the gain in points and the parity totals,
 and exits 1 if the gain is below --min-gain or any step found a differing token.
+
+LoRA next to full fine-tuning (`--lora-ranks 1,8 --lora-lrs 5e-4,2e-3,8e-3`): stage 3 also runs one
+LoRA GRPO run (every linear layer, alpha 32) per rank and learning rate, from the same warm-started
+model with the same seed, one after another (a run of the default size takes under a minute).
+Per rank, the learning rate whose best-of-last-3 eval is highest (ties: the higher mean over all
+evals) is chosen; <out>/curves.png plots full fine-tuning and each rank's chosen run, <out>/sweep.png every
+run. --min-gain applies to full fine-tuning; parity (0 differing tokens) to every run.
 Same --seed, same numbers: every stage is seeded and runs bitwise-deterministic kernels.
 `--engine native --device cpu` runs the same pipeline on CPU (slowly; the tests use it tiny).
 """
@@ -50,7 +57,18 @@ def parse_args(argv):
     p.add_argument("--engine", default="vllm", choices=("vllm", "native"))
     p.add_argument("--device", default="auto")
     p.add_argument("--min-gain", type=float, default=20.0, help="points of eval accuracy the run must gain")
-    return p.parse_args(argv)
+    p.add_argument("--lora-ranks", default="", help="comma-separated LoRA ranks to run next to full fine-tuning")
+    p.add_argument("--lora-lrs", default="2e-3", help="comma-separated learning rates each LoRA rank runs with")
+    p.add_argument("--full", type=int, default=1, choices=(0, 1), help="0: no full fine-tuning run")
+    a = p.parse_args(argv)
+    try:
+        a.ranks = [int(r) for r in a.lora_ranks.split(",") if r.strip()]
+        a.lrs = [float(x) for x in a.lora_lrs.split(",") if x.strip()]
+    except ValueError:
+        p.error("--lora-ranks takes integers and --lora-lrs numbers, comma-separated")
+    if a.ranks and not a.lrs or not a.full and not a.ranks:
+        p.error("nothing to run: give --lora-lrs with --lora-ranks, or keep --full 1")
+    return a
 
 
 def stage(name: str, cmd: list[str], out: Path) -> None:
@@ -79,24 +97,64 @@ def main(argv=None) -> int:
                           "--lr", str(a.sft_lr), "--correct-share", str(a.correct_share), "--seed", str(a.seed),
                           *device], a.out)
     native = ["--engine", "native", "--dtype", "float32"] if a.engine == "native" else []
-    stage("3_grpo", [py, "simple_rl.py", "--model", str(models / "sft"), "--task", "arith",
-                     "--steps", str(a.steps), "--eval-every", str(a.eval_every),
-                     "--prompts-per-step", str(a.prompts_per_step), "--group-size", str(a.group_size),
-                     "--max-new-tokens", "6", "--temperature", "1.0", "--lr", str(a.lr), "--kl-coef", str(a.kl_coef),
-                     "--seed", str(a.seed), "--out-dir", str(a.out / "runs"), "--run-name", "arith",
-                     "--checkpoint-dir", str(a.out / "checkpoints"), "--checkpoint-every", "0",
-                     "--gpu-memory-utilization", str(a.gpu_memory_utilization), *native, *device],
-          a.out)
-    stage("4_plot", [py, "compare/plot_run.py", str(a.out / "runs" / "arith"), "--out", str(a.out / "curve.png")],
-          a.out)
-    s = summary(load_run(a.out / "runs" / "arith"))
-    gain = s["best_last3_eval_accuracy"] - s["first_eval_accuracy"]
-    ok = gain >= a.min_gain and s["parity_tokens_different"] == 0
-    print(f"eval accuracy {s['first_eval_accuracy']:.1f}% before GRPO, {s['best_last3_eval_accuracy']:.1f}% best of "
-          f"the last 3 evals: {gain:+.1f} points over {s['steps']} steps; parity {s['parity_tokens_compared']} "
-          f"tokens compared, {s['parity_tokens_different']} different; {'OK' if ok else 'NOT MET'} "
-          f"(needs >= {a.min_gain:g} points and 0 different); curve: {a.out / 'curve.png'}")
+    runs = ({"arith": (a.lr, [])} if a.full else {}) | {
+        f"arith-lora{r}-lr{lr:g}": (lr, ["--lora-rank", str(r)]) for r in a.ranks for lr in a.lrs}
+    grpo = {name: [py, "simple_rl.py", "--model", str(models / "sft"), "--task", "arith",
+                   "--steps", str(a.steps), "--eval-every", str(a.eval_every),
+                   "--prompts-per-step", str(a.prompts_per_step), "--group-size", str(a.group_size),
+                   "--max-new-tokens", "6", "--temperature", "1.0", "--lr", f"{lr:g}", "--kl-coef", str(a.kl_coef),
+                   "--seed", str(a.seed), "--out-dir", str(a.out / "runs"), "--run-name", name,
+                   "--checkpoint-dir", str(a.out / "checkpoints"), "--checkpoint-every", "0",
+                   "--gpu-memory-utilization", str(a.gpu_memory_utilization), *flags, *native, *device]
+            for name, (lr, flags) in runs.items()}
+    if len(grpo) == 1:
+        stage("3_grpo", next(iter(grpo.values())), a.out)
+    else:
+        stages(grpo, a.out)
+    series = {name: load_run(a.out / "runs" / name) for name in runs}
+    sums = {name: summary(s) for name, s in series.items()}
+    if a.full:
+        stage("4_plot", [py, "compare/plot_run.py", str(a.out / "runs" / "arith"), "--out", str(a.out / "curve.png")],
+              a.out)
+    ok = True
+    for name, s in sums.items():
+        gain = s["best_last3_eval_accuracy"] - s["first_eval_accuracy"]
+        good = s["parity_tokens_different"] == 0 and (name != "arith" or gain >= a.min_gain)
+        ok &= good
+        print(f"{name}: eval accuracy {s['first_eval_accuracy']:.1f}% before GRPO, {s['best_last3_eval_accuracy']:.1f}% "
+              f"best of the last 3 evals: {gain:+.1f} points over {s['steps']} steps; parity "
+              f"{s['parity_tokens_compared']} tokens compared, {s['parity_tokens_different']} different; "
+              f"{'OK' if good else 'NOT MET'}" + (f" (needs >= {a.min_gain:g} points and 0 different)"
+                                                   if name == "arith" else " (needs 0 different)"))
+    if a.ranks:
+        from compare.plot_run import plot_runs
+
+        chosen = {"full fine-tuning" + (f", lr {a.lr:g}" if a.full else ""): "arith"} if a.full else {}
+        for r in a.ranks:
+            mine = [n for n in runs if n.startswith(f"arith-lora{r}-")]
+            best = max(mine, key=lambda n: (sums[n]["best_last3_eval_accuracy"], mean_eval(series[n])))
+            chosen[f"LoRA rank {r}, lr {runs[best][0]:g}"] = best
+            print(f"LoRA rank {r}: learning rate {runs[best][0]:g} chosen (best of the last 3 evals: "
+                  + ", ".join(f"lr {runs[n][0]:g} {sums[n]['best_last3_eval_accuracy']:.1f}%" for n in mine) + ")")
+        plot_runs({label: series[n] for label, n in chosen.items()}, "GRPO on arith: full fine-tuning vs LoRA "
+                  f"(same warm start, seed {a.seed})", a.out / "curves.png")
+        plot_runs({n: series[n] for n in runs}, "learning-rate sweep", a.out / "sweep.png")
+        print(f"curves: {a.out / 'curves.png'}, sweep: {a.out / 'sweep.png'}")
     return 0 if ok else 1
+
+
+def mean_eval(series) -> float:
+    """Mean held-out accuracy over every eval of a run: of two runs that end equally, the faster."""
+    values = [v for _, v in series.get("eval/accuracy", [])]
+    return sum(values) / max(1, len(values))
+
+
+def stages(cmds: dict[str, list[str]], out: Path) -> None:
+    """Run the GRPO stages one after another, each logging to <out>/3_grpo_<name>.log. Not side by
+    side: vLLM sizes its KV cache from the GPU's free memory while it starts, and another process
+    allocating or freeing meanwhile fails that start (seen on the H100: "Error in memory profiling")."""
+    for name, cmd in cmds.items():
+        stage(f"3_grpo_{name}", cmd, out)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,10 @@ def main(argv=None) -> int:
     harness = ParityHarness(HarnessConfig(model_dir, args.backend, args.swap_op,
                                           allow_batch_variant=args.allow_batch_variant,
                                           cuda_graphs=args.cuda_graphs, logprobs=args.logprobs))
-    results = run(harness, args.quick)
+    try:
+        results = run(harness, args.quick)
+    finally:
+        harness.close()  # a clean exit (VLLMEngine.close)
     for r in results:
         print(json.dumps(r))
     total = sum(r["tokens_compared"] for r in results)

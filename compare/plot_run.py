@@ -277,6 +277,40 @@ def plot(series: Series, title: str, out: Path) -> None:
     fig.savefig(out, dpi=100)
 
 
+def plot_runs(runs: dict[str, Series], title: str, out: Path) -> None:
+    """Several runs on one figure (compare/learning_curve.py's variants): held-out eval accuracy,
+    the trailing mean of the training reward, and each run's differing-token count (should be 0)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(10, 10), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 1])
+    for label, series in runs.items():
+        s = summary(series)
+        if series.get(ACCURACY):
+            axes[0].plot(*_xy(as_percent(series[ACCURACY])), marker="o", markersize=3, label=label)
+        if series.get("reward_mean"):
+            steps, values = _xy(series["reward_mean"])
+            axes[1].plot(steps, rolling_mean(values), linewidth=1.5, label=label)
+        axes[2].plot(*_xy(series.get("parity/tokens_different", [])), linewidth=1.0,
+                     label=f"{label}: {s['parity_tokens_different']} of {s['parity_tokens_compared']}")
+    axes[0].set_title("held-out eval accuracy (greedy)")
+    axes[0].set_ylabel("percent")
+    axes[1].set_title(f"training reward (mean of the last {ROLLING_WINDOW} steps)")
+    axes[2].set_title("parity: sampled tokens whose trainer logprob differs from the engine's (should be 0)")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="best", fontsize="small")
+    axes[-1].set_xlabel("GRPO step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(title)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+
+
 # ---------------------------------------------------------------- CLI
 
 

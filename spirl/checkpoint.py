@@ -1,7 +1,9 @@
 """Atomic training checkpoints: fp32 master weights, AdamW state, step, RNG states.
 
 Layout under <checkpoint_dir>/<run_name>/:
-    step_000010/model.safetensors       fp32 master weights (compat names)
+    step_000010/model.safetensors       fp32 master weights (compat names); with LoRA instead:
+    step_000010/adapter_config.json     the adapters as a PEFT adapter (what PEFT and vLLM load;
+    step_000010/adapter_model.safetensors   float32, PEFT's tensor names: torchtitan_compat.peft_adapter)
     step_000010/optimizer.safetensors   AdamW per-parameter tensors (exp_avg, exp_avg_sq, step)
     step_000010/rng.safetensors         torch CPU (and CUDA) generator states
     step_000010/state.json              step, config, param_groups, python RNG state
@@ -54,33 +56,16 @@ def optimizer_tensors(opt: torch.optim.Optimizer, whole=_cpu) -> tuple[dict[str,
 
 
 def save(run_ckpt_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
-         optimizer: torch.optim.Optimizer | tuple[dict, list], state: dict) -> Path:
+         optimizer: torch.optim.Optimizer | tuple[dict, list], state: dict, adapter=None) -> Path:
     """Write checkpoint `step` atomically; returns its directory. `optimizer`: the optimizer, or
-    what `optimizer_tensors` made of it. On an OSError (a full disk, no permission) nothing of
-    this step is left behind, `latest` and the earlier checkpoints are as they were, and a
-    one-line UserError (exit status 6) says so."""
+    what `optimizer_tensors` made of it. `adapter`: for LoRA, a function writing the masters as a
+    PEFT adapter into a directory (instead of model.safetensors). On an OSError (a full disk, no
+    permission) nothing of this step is left behind, `latest` and the earlier checkpoints are as
+    they were, and a one-line UserError (exit status 6) says so."""
     root = Path(run_ckpt_dir)
     final = root / f"step_{step:06d}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
-        try:
-            save_file({k: v.detach().cpu().contiguous() for k, v in masters.items()}, str(tmp / "model.safetensors"))
-            opt_tensors, groups = optimizer if isinstance(optimizer, tuple) else optimizer_tensors(optimizer)
-            save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-            rng = {"torch_cpu": torch.get_rng_state()}
-            if torch.cuda.is_available():
-                rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-            save_file(rng, str(tmp / "rng.safetensors"))
-            py_state = random.getstate()
-            _write_json(tmp / "state.json", {**state, "step": step, "param_groups": groups,
-                                              "python_rng": [py_state[0], list(py_state[1]), py_state[2]]})
-            tmp.chmod(0o755)
-            if final.exists():  # a stale one from an earlier run of the same name
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_dir(final, masters, optimizer, {**state, "step": step}, adapter)
         latest_tmp = root / ".latest.tmp"
         try:
             latest_tmp.write_text(final.name + "\n")
@@ -101,6 +86,35 @@ def save(run_ckpt_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
             f"no earlier checkpoint exists; {fix} or pass another --checkpoint-dir"
         raise UserError(f"could not write checkpoint {final} ({why}); nothing of it was kept, {then}", EXIT_IO) from e
     _prune(root, keep=KEEP)
+    return final
+
+
+def write_dir(final: Path, masters: dict[str, torch.Tensor], optimizer, state: dict, adapter=None) -> Path:
+    """Write one checkpoint directory `final` (masters or adapter, optimizer, RNG states, state.json)
+    atomically: into a temporary directory beside it, renamed into place (replacing a stale one).
+    OSErrors propagate; nothing half-written is left."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=final.parent))
+    try:
+        if adapter is not None:
+            adapter(tmp)
+        else:
+            save_file({k: v.detach().cpu().contiguous() for k, v in masters.items()}, str(tmp / "model.safetensors"))
+        opt_tensors, groups = optimizer if isinstance(optimizer, tuple) else optimizer_tensors(optimizer)
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        rng = {"torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+        save_file(rng, str(tmp / "rng.safetensors"))
+        py_state = random.getstate()
+        _write_json(tmp / "state.json", {**state, "param_groups": groups,
+                                          "python_rng": [py_state[0], list(py_state[1]), py_state[2]]})
+        tmp.chmod(0o755)
+        if final.exists():  # a stale one from an earlier run of the same name
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
@@ -136,6 +150,19 @@ def resolve(path: str | Path) -> Path:
 
 
 FILES = ("state.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors")
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def _weights_file(d: Path) -> str:
+    """The file holding a checkpoint's masters: the PEFT adapter's weights for LoRA runs."""
+    return ADAPTER_WEIGHTS if (d / ADAPTER_CONFIG).is_file() else "model.safetensors"
+
+
+def _adapter_names(tensors: dict) -> dict:
+    """A LoRA checkpoint's tensors under the model's parameter names (PEFT names in the file)."""
+    from torchtitan_compat.peft_adapter import param_of_peft_key
+
+    return {param_of_peft_key(k) or k: v for k, v in tensors.items()}
 
 
 @dataclass
@@ -146,6 +173,8 @@ class CheckpointInfo:
     shapes: dict[str, tuple[int, ...]]
     """Master weight names -> shapes, from model.safetensors' header."""
     optimizer_shapes: dict[str, tuple[int, ...]]
+    lora: bool = False
+    """The masters are LoRA adapters (a PEFT adapter), not model weights."""
 
 
 def _unusable(d: Path, what: str) -> CheckpointError:
@@ -167,7 +196,8 @@ def _header_shapes(d: Path, name: str) -> dict[str, tuple[int, ...]]:
 def inspect(path: str | Path) -> CheckpointInfo:
     """Check a checkpoint can be read, from its files' headers alone (nothing is loaded)."""
     d = resolve(path)
-    missing = [f for f in FILES if not (d / f).is_file()]
+    weights_file = _weights_file(d)
+    missing = [f for f in (weights_file if f == "model.safetensors" else f for f in FILES) if not (d / f).is_file()]
     if missing:
         raise _unusable(d, f"{', '.join(missing)} missing")
     try:
@@ -177,10 +207,13 @@ def inspect(path: str | Path) -> CheckpointInfo:
     needed = [k for k in ("step", "param_groups", "python_rng") if k not in (state if isinstance(state, dict) else {})]
     if needed:
         raise _unusable(d, f"state.json lacks {', '.join(needed)}")
-    shapes = _header_shapes(d, "model.safetensors")
+    lora = weights_file == ADAPTER_WEIGHTS
+    shapes = _header_shapes(d, weights_file)
+    if lora:
+        shapes = _adapter_names(shapes)
     optimizer_shapes = _header_shapes(d, "optimizer.safetensors")
     _header_shapes(d, "rng.safetensors")
-    return CheckpointInfo(d, state, shapes, optimizer_shapes)
+    return CheckpointInfo(d, state, shapes, optimizer_shapes, lora)
 
 
 def _read(path: Path, device, rows) -> dict[str, torch.Tensor]:
@@ -204,10 +237,14 @@ def load(path: str | Path, device, rows=None) -> tuple[dict, dict[str, torch.Ten
     = all); keys are the weight names and "<param index>.<state name>"."""
     from safetensors import SafetensorError
 
-    d = inspect(path).path
+    info = inspect(path)
+    d = info.path
     try:
         state = json.loads((d / "state.json").read_text())
-        masters = _read(d / "model.safetensors", device, rows)
+        if info.lora:
+            masters = _adapter_names(_read(d / ADAPTER_WEIGHTS, device, None))
+        else:
+            masters = _read(d / "model.safetensors", device, rows)
         flat = _read(d / "optimizer.safetensors", device, rows)
         opt_state: dict[int, dict] = {}
         for key, t in flat.items():

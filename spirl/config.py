@@ -111,6 +111,24 @@ class TrainConfig:
     """Compute dtype of the trainer's forward (vLLM runs bf16; use float32 on CPU)."""
     max_grad_norm: float = 0.0
     """Clip the global gradient norm to this value; 0 = no clipping."""
+    lora_rank: int = 0
+    """LoRA rank r: train low-rank adapters (float32, AdamW) on a frozen bf16 base instead of every
+    weight; 0 = full fine-tuning. LoRA wants a learning rate ~10x full fine-tuning's (README)."""
+    lora_alpha: float = 0.0
+    """LoRA updates are scaled by alpha / rank; 0 = 32 (or the --lora-init adapter's alpha)."""
+    lora_targets: str = ""
+    """Modules LoRA adapts, comma-separated: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj, lm_head, or the groups attn, mlp, all-linear (= attn + mlp); empty = all-linear (or
+    the --lora-init adapter's). lm_head on a model with tied embeddings gets its own output weight;
+    the input embedding stays the base's."""
+    lora_init: str = ""
+    """A PEFT LoRA adapter directory to start from (adapter_config.json + adapter_model.safetensors,
+    e.g. a checkpoint of an earlier run); its rank, alpha and targets are used."""
+    lora_base: str = "host"
+    """LoRA: where the frozen base weights live. `host`: pinned CPU memory, so the GPU holds the
+    weights once (the engine's merged copy, which the trainer computes with) and each merge after an
+    optimizer step streams the base in; `gpu`: a second bf16 copy on the GPU (faster merges, 2 bytes
+    per parameter more GPU memory)."""
     eval_every: int = 0
     """Evaluate on the task's held-out set every N steps (and before the first step); 0 = never."""
     eval_pass_k: int = 0
@@ -163,6 +181,7 @@ class TrainConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        self._validate_lora()
         n = self.prompts_per_step * self.group_size
         if n % self.updates_per_batch:
             raise ConfigError(f"prompts_per_step * group_size ({n}) must divide into updates_per_batch "
@@ -170,6 +189,33 @@ class TrainConfig:
         if self.engine == "vllm" and self.dtype != "bfloat16":
             raise ConfigError("dtype must be bfloat16 with --engine vllm (vLLM runs bf16); use --engine native for float32")
         return self
+
+
+    @property
+    def lora(self) -> bool:
+        """LoRA training (--lora-rank > 0 or --lora-init) rather than full fine-tuning."""
+        return self.lora_rank > 0 or bool(self.lora_init)
+
+    def _validate_lora(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be >= 1 for LoRA, or 0 for full fine-tuning (got {self.lora_rank})")
+        if self.lora_alpha < 0:
+            raise ConfigError("lora_alpha must be > 0 (or 0 for the default)")
+        if self.lora_base not in ("host", "gpu"):
+            raise ConfigError("lora_base must be host or gpu")
+        if self.lora_targets:
+            from torchtitan_compat.lora import LoRAError, parse_targets
+
+            try:
+                parse_targets(self.lora_targets)
+            except LoRAError as e:
+                raise ConfigError(f"--lora-targets: {e}") from None
+        if not self.lora and (self.lora_alpha or self.lora_targets):
+            raise ConfigError("--lora-alpha and --lora-targets need --lora-rank > 0 (or --lora-init)")
+        if self.lora and self.engine == "vllm" and self.vllm_sleep:
+            raise ConfigError("--vllm-sleep 1 cannot be used with LoRA: the trainer computes with the engine's own "
+                              "weight tensors, which vLLM's sleep moves off the GPU; LoRA's optimizer state is "
+                              "small, so set --vllm-sleep 0")
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -89,8 +89,10 @@ _KNOWN: list[tuple[str, str, int, str]] = [
     ("weights", "WeightsError", EXIT_MODEL, ""),
     ("spirl.preflight", "ModelError", EXIT_MODEL, ""),
     ("spirl.checkpoint", "CheckpointError", EXIT_MODEL, ""),
+    ("torchtitan_compat.peft_adapter", "AdapterError", EXIT_MODEL, ""),
+    ("torchtitan_compat.lora", "LoRAError", EXIT_USAGE, ""),
     ("torchtitan_compat.ops", "BackendError", EXIT_ENVIRONMENT, ""),
-    ("spirl.trainer", "ParityError", EXIT_PARITY,
+    ("spirl.parity", "ParityError", EXIT_PARITY,
      "parity broken at {msg}; that step's update was not applied and the last checkpoint is kept: "
      "read the report, localize with ./run_comparison.sh --localize"),
     ("spirl.trainer", "NonFiniteLossError", EXIT_DIVERGED,

@@ -24,6 +24,12 @@ What is counted (P = parameters, c = bytes per element of the compute dtype: 2 f
     vLLM's share                        gpu_memory_utilization x GPU total (engine vllm; not
                                         during training with --vllm-sleep 1)
     fixed overhead                      1 GiB (CUDA context, GEMM workspaces, allocator slack)
+LoRA (`lora`, a LoRASpec; n = adapter parameters): no fp32 masters, model copy or gradients of
+the base: adapters 4 n + their grads 4 n + AdamW 8 n (+ 8 n of initial adapters with a KL term);
+the trainer computes with the engine's weights (inside vLLM's share; the native engine: its own
+c P); the frozen base of the adapted projections on the GPU only with --lora-base gpu (c x their
+parameters; host memory otherwise); a merge's temporaries (two float32 copies of the largest
+adapted block and its base). vLLM's share must hold the weights plus MIN_VLLM_KV_BYTES.
 Sharded over W ranks (torchrun, FSDP2; per GPU): masters, AdamW state, fp32 gradients and the
 reference are divided by W; the compute-dtype weights (and their gradients) that exist whole are
 those of the embedding/head plus two decoder layers (the one computing and the one prefetched),
@@ -37,6 +43,7 @@ names the one change that makes the estimate fit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 GIB = 2**30
@@ -86,12 +93,42 @@ def tokens_per_microbatch(cfg, max_seq_len: int) -> int:
     return min(max(cfg.max_tokens_per_microbatch, max_seq_len), seqs * max_seq_len)
 
 
+def _lora_parts(args, cfg, lora, c: int) -> dict[str, int]:
+    """The LoRA run's weights and optimizer items (module docstring)."""
+    from torchtitan_compat.lora import fused_modules, lora_param_count, target_shapes
+
+    n = lora_param_count(lora, args)
+    shapes = target_shapes(args)
+    adapted, biggest = 0, 0
+    for path, blocks in fused_modules(args).items():
+        if any(t in lora.targets for t, _, _ in blocks):  # the base keeps the whole fused matrix
+            in_features = shapes[blocks[0][0]][1]
+            adapted += sum(rows for _, _, rows in blocks) * in_features * (1 if path == "output" else args.n_layers)
+            biggest = max([biggest] + [rows * in_features for t, _, rows in blocks if t in lora.targets])
+    untied_head = args.vocab_size * args.dim if "lm_head" in lora.targets and args.enable_weight_tying else 0
+    return {
+        "LoRA adapters": 4 * n + (4 * n if cfg.kl_coef > 0 else 0),
+        "compute model": 0 if cfg.engine == "vllm" else c * (param_count(args) + untied_head),
+        "AdamW state": 8 * n,
+        "fp32 grads": 4 * n,
+        "frozen base": c * adapted if cfg.lora_base == "gpu" else 0,
+        "LoRA merge": (2 * 4 + c) * biggest,
+    }
+
+
+def vllm_weight_bytes(args, lora=None) -> int:
+    """The bf16 weights vLLM holds (an untied lm_head of its own for LoRA on a tied head)."""
+    untied_head = args.vocab_size * args.dim if lora is not None and "lm_head" in lora.targets and \
+        args.enable_weight_tying else 0
+    return 2 * (param_count(args) + untied_head)
+
+
 def estimate(args, cfg, gpu_total_bytes: int, max_seq_len: int | None = None,
-             logits_chunk_elements: int | None = None, shards: int = 0) -> MemoryEstimate:
+             logits_chunk_elements: int | None = None, shards: int = 0, lora=None) -> MemoryEstimate:
     """The trainer's peak GPU memory for model `args` under TrainConfig `cfg` (see the module
     docstring). `max_seq_len`: the longest prompt + completion if known (else cfg.max_model_len
     or 4096). `logits_chunk_elements`: lm_head's chunk size in logit elements when it is chunked.
-    `shards`: the ranks FSDP2 shards over (0: not sharded)."""
+    `shards`: the ranks FSDP2 shards over (0: not sharded). `lora`: the run's LoRASpec, if any."""
     c = _DTYPE_BYTES.get(cfg.dtype, 4)
     p = param_count(args)
     per_rank = p / shards if shards else p
@@ -123,6 +160,8 @@ def estimate(args, cfg, gpu_total_bytes: int, max_seq_len: int | None = None,
         "vLLM": vllm,
         "overhead": OVERHEAD_BYTES,
     }
+    if lora is not None:
+        parts.update(_lora_parts(args, cfg, lora, c), **{"fp32 masters": 0, "reference": 0, "compute grads": 0})
     est = MemoryEstimate(parts, int(gpu_total_bytes), t)
     if cfg.engine == "vllm" and getattr(cfg, "vllm_sleep", 0):
         # the rollout phase: vLLM awake with its whole share, no gradients or activations
@@ -140,7 +179,10 @@ def _flag(name: str) -> str:
 def _suggestions(args, cfg, gpu_total: int, **kw) -> list[str]:
     """Single flag changes (in order of least effect on the run) that make the estimate fit."""
     fits = lambda **change: estimate(args, replace(cfg, **change), gpu_total, **kw).fits  # noqa: E731
+    lora = kw.get("lora") is not None
     out = []
+    if lora and cfg.lora_base == "gpu" and fits(lora_base="host"):
+        out.append("set --lora-base host")
     if not cfg.activation_checkpointing and fits(activation_checkpointing=1):
         out.append("set --activation-checkpointing 1")
     budget = cfg.max_tokens_per_microbatch // 2
@@ -150,16 +192,16 @@ def _suggestions(args, cfg, gpu_total: int, **kw) -> list[str]:
             break
         budget //= 2
     if cfg.engine == "vllm":
-        if hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep and fits(vllm_sleep=1):
+        if hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep and not lora and fits(vllm_sleep=1):
             out.append("set --vllm-sleep 1")
-        floor = (2 * param_count(args) + MIN_VLLM_KV_BYTES + OVERHEAD_BYTES) / gpu_total
+        floor = (vllm_weight_bytes(args, kw.get("lora")) + MIN_VLLM_KV_BYTES + OVERHEAD_BYTES) / gpu_total
         util = round(cfg.gpu_memory_utilization - 0.05, 2)
         while util >= max(floor, 0.05):
             if fits(gpu_memory_utilization=util):
                 out.append(f"lower --gpu-memory-utilization to {util:.2f} (now {cfg.gpu_memory_utilization})")
                 break
             util = round(util - 0.05, 2)
-    if cfg.kl_coef > 0 and fits(kl_coef=0.0):
+    if cfg.kl_coef > 0 and not lora and fits(kl_coef=0.0):
         out.append("set --kl-coef 0 (no reference copy)")
     return out
 
@@ -169,6 +211,13 @@ def check(args, cfg, gpu_total_bytes: int, gpu_name: str = "the GPU", **kw) -> M
     from .errors import EXIT_MEMORY, UserError
 
     est = estimate(args, cfg, gpu_total_bytes, **kw)
+    if cfg.engine == "vllm":
+        share, need = cfg.gpu_memory_utilization * gpu_total_bytes, vllm_weight_bytes(args, kw.get("lora"))
+        if share < need + MIN_VLLM_KV_BYTES:
+            least = (need + MIN_VLLM_KV_BYTES + OVERHEAD_BYTES) / gpu_total_bytes
+            raise UserError(f"--gpu-memory-utilization {cfg.gpu_memory_utilization} gives vLLM {share / GIB:.1f} GiB "
+                            f"of {gpu_name}, but its bf16 weights alone are {need / GIB:.1f} GiB: raise it to at least "
+                            f"{math.ceil(least * 100) / 100:.2f}", EXIT_MEMORY)
     if est.fits:
         return est
     head = (f"the run needs about {est.total / GIB:.1f} GiB of GPU memory but {gpu_name} has "
@@ -176,18 +225,25 @@ def check(args, cfg, gpu_total_bytes: int, gpu_name: str = "the GPU", **kw) -> M
     fixes = _suggestions(args, cfg, gpu_total_bytes, **kw)
     if fixes:
         raise UserError(f"{head}: {'; or '.join(fixes)}", EXIT_MEMORY)
-    all_changes = dict(activation_checkpointing=1, max_tokens_per_microbatch=256, kl_coef=0.0)
+    lora = kw.get("lora") is not None
+    all_changes = dict(activation_checkpointing=1, max_tokens_per_microbatch=256)
+    if lora:
+        all_changes["lora_base"] = "host"
+    else:
+        all_changes["kl_coef"] = 0.0
     if cfg.engine == "vllm":
         all_changes["gpu_memory_utilization"] = 0.05
-        if hasattr(cfg, "vllm_sleep"):
+        if hasattr(cfg, "vllm_sleep") and not lora:
             all_changes["vllm_sleep"] = 1
     least = estimate(args, replace(cfg, **all_changes), gpu_total_bytes, **kw)
     if least.fits:
         together = ([] if cfg.activation_checkpointing else ["set --activation-checkpointing 1"]) + \
-            (["set --kl-coef 0"] if cfg.kl_coef > 0 else []) + ["lower --max-tokens-per-microbatch"]
+            (["set --kl-coef 0"] if cfg.kl_coef > 0 and not lora else []) + \
+            (["set --lora-base host"] if lora and cfg.lora_base == "gpu" else []) + ["lower --max-tokens-per-microbatch"]
         if cfg.engine == "vllm":
-            together += (["set --vllm-sleep 1"] if hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep else []) + \
-                ["lower --gpu-memory-utilization"]
+            together += (["set --vllm-sleep 1"] if hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep and not lora
+                         else []) + ["lower --gpu-memory-utilization"]
         raise UserError(f"{head}: no single flag is enough: {', '.join(together)} together", EXIT_MEMORY)
+    alternative = "" if lora else ", or train LoRA (--lora-rank)"
     raise UserError(f"{head}: the weights and optimizer state alone do not fit; use a GPU with more memory or a "
-                    "smaller model", EXIT_MEMORY)
+                    f"smaller model{alternative}", EXIT_MEMORY)

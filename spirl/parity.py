@@ -8,7 +8,10 @@ of a sequence is predicted by row i - 1 of that sequence.
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,6 +20,12 @@ from torchtitan_compat import PackedTokens, pack
 from torchtitan_compat.packing import flatten
 
 from .engines.base import Sample
+
+log = logging.getLogger("spirl.parity")
+
+
+class ParityError(RuntimeError):
+    """The engine's and the trainer's logprob of some sampled token differ."""
 
 
 def pack_sampled(seqs: list[Sample], device=None) -> tuple[PackedTokens, torch.Tensor, torch.Tensor, list[int]]:
@@ -132,3 +141,53 @@ def sampled_logprobs_and_entropy(model, seqs: list[Sample], device, dist: Sampli
     needs its gradient; a metric does not)."""
     lps, ent = _logprobs(model, seqs, device, dist, entropy=True)
     return lps, ent if entropy_grad else [e.detach() for e in ent]
+
+
+def check_parity(samples: list[Sample], trainer_lps, step: int, run_dir: Path, engine, policy) -> ParityReport:
+    """Every sampled token (every turn of a multi-turn trajectory): engine logprob == trainer's,
+    bitwise. Collective: each rank checks its own samples, and if any rank differs the step fails
+    on every rank with one ParityError naming the ranks (each differing rank writes its report)."""
+    report = compare_logprobs([s.logprobs for s in samples], trainer_lps)
+    failure = None if report.bitwise_identical else _report_mismatch(report, samples, trainer_lps, step, run_dir,
+                                                                    engine, policy)
+    world = policy.world
+    failures = [(r, f) for r, f in enumerate(world.gather(failure)) if f is not None]
+    if failures:
+        where = "; ".join(f"rank {r}: {f}" if world.sharded else f for r, f in failures)
+        raise ParityError(f"step {step}: {where}")
+    return report
+
+
+def _report_mismatch(report: ParityReport, samples, trainer_lps, step: int, run_dir: Path, engine, policy) -> str:
+    """Write this rank's parity report (first differing token, and on one GPU with vLLM the first
+    differing layer/op); returns the one-line summary."""
+    i, j = report.first_mismatch or (0, 0)
+    s = samples[i]
+    position = [k for k, m in enumerate(s.loss_mask) if m][j]
+    detail = {"step": step, "summary": report.summary(), "sequence_index": i, "sampled_token_index": j,
+              "token_position": position, "ids": s.ids, "loss_mask": s.loss_mask,
+              "engine_logprobs": s.logprobs.tolist(), "trainer_logprobs": trainer_lps[i].float().cpu().tolist(),
+              "per_sequence_different": report.per_sample_different}
+    if policy.world.sharded:
+        detail["rank"] = policy.world.rank
+        detail["localization"] = ("not run: it needs the whole model on one GPU; resume this run's last checkpoint "
+                                  "without torchrun to localize")
+    elif hasattr(engine, "llm"):  # vLLM: find the first layer/op that differs
+        try:
+            from types import SimpleNamespace
+
+            from spirl.localize import localize_sample
+
+            detail["localization"] = localize_sample(SimpleNamespace(engine=engine, model=policy.model),
+                                                     s.ids[:position + 1])
+        except Exception as e:  # the report must still be written
+            detail["localization"] = f"localization failed: {type(e).__name__}: {e}"
+    suffix = f"_rank{policy.world.rank}" if policy.world.sharded else ""
+    path = run_dir / f"parity_failure_step{step:06d}{suffix}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(detail, indent=1) + "\n")
+    log.error("PARITY BROKEN at step %d: %s; sequence %d (%d tokens, %d sampled), token position %d; report: %s",
+              step, report.summary(), i, len(s.ids), len(s.logprobs), position, path)
+    if "localization" in detail:
+        log.error("%s", detail["localization"])
+    return f"{report.summary()} (report: {path})"

@@ -231,15 +231,25 @@ class LengthCheckedEngine:
 # -- checkpoints and resume ------------------------------------------------------------------------
 
 
-def check_resume(path: str, model_args, reference: dict) -> ckpt.CheckpointInfo:
-    """The --resume checkpoint is readable, holds this model's tensors, and its run started from
-    the same model (so the reference policy is the one the run began with)."""
+def check_resume(path: str, model_args, reference: dict, lora=None) -> ckpt.CheckpointInfo:
+    """The --resume checkpoint is readable, holds this model's tensors (with `lora`, a LoRASpec:
+    this run's adapters), and its run started from the same model (so the reference policy is the
+    one the run began with)."""
     from weights_vllm_compat import expected_compat_shapes
 
     info = ckpt.inspect(path)
     then = info.state.get("reference") or {}
     used = then.get("model") or info.state.get("config", {}).get("model") or info.state.get("model_dir", "?")
-    expected = expected_compat_shapes(model_args)
+    if info.lora != (lora is not None):
+        kinds = ("a LoRA", "a full fine-tuning") if info.lora else ("a full fine-tuning", "a LoRA")
+        raise ckpt.CheckpointError(f"--resume {info.path} is {kinds[0]} checkpoint but this is {kinds[1]} run; "
+                                   "resume with the LoRA flags (--lora-rank, ...) that run used")
+    if lora is not None:
+        from torchtitan_compat.peft_adapter import expected_params
+
+        expected = expected_params(lora, model_args)
+    else:
+        expected = expected_compat_shapes(model_args)
     missing = [k for k in expected if k not in info.shapes]
     unknown = [k for k in info.shapes if k not in expected]
     wrong = [k for k in expected if k in info.shapes and tuple(info.shapes[k]) != tuple(expected[k])]
@@ -250,8 +260,9 @@ def check_resume(path: str, model_args, reference: dict) -> ckpt.CheckpointInfo:
         else:
             detail = (f"{len(missing)} tensor(s) of --model {reference['model']} are missing "
                       f"({', '.join(missing[:2])}) and {len(unknown)} are unknown ({', '.join(unknown[:2])})")
+        flags = " and LoRA flags (--lora-rank, --lora-targets)" if lora is not None else ""
         raise ckpt.CheckpointError(f"--resume {info.path} was written for another model ({detail}); resume with the "
-                                   f"--model that run used ({used})")
+                                   f"--model{flags} that run used ({used})")
     moments = Counter(tuple(s) for k, s in info.optimizer_shapes.items() if k.endswith((".exp_avg", ".exp_avg_sq")))
     if moments - Counter(tuple(s) for s in expected.values() for _ in range(2)):  # AdamW: 2 moments per parameter
         raise ckpt.CheckpointError(f"--resume {info.path}: optimizer.safetensors does not match its "
@@ -267,14 +278,17 @@ def check_resume(path: str, model_args, reference: dict) -> ckpt.CheckpointInfo:
     return info
 
 
-def check_memory(cfg: TrainConfig, model_args, device: torch.device, max_seq_len: int, shards: int = 0) -> None:
-    """The memory plan on this GPU; `shards`: the ranks FSDP2 shards over (0: not sharded)."""
+def check_memory(cfg: TrainConfig, model_args, device: torch.device, max_seq_len: int, shards: int = 0,
+                 lora=None) -> None:
+    """The memory plan on this GPU; `shards`: the ranks FSDP2 shards over (0: not sharded); `lora`:
+    the run's LoRASpec (None: full fine-tuning)."""
     import batch_invariant_backward as bib
 
     from . import memory_plan
 
     props = torch.cuda.get_device_properties(device)
     est = memory_plan.check(model_args, cfg, props.total_memory, f"{device} ({props.name})", max_seq_len=max_seq_len,
-                            logits_chunk_elements=getattr(bib, "LOGITS_CHUNK_ELEMENTS", None), shards=shards)
+                            logits_chunk_elements=getattr(bib, "LOGITS_CHUNK_ELEMENTS", None), shards=shards,
+                            lora=lora)
     log.info("memory plan: about %.1f of %.1f GiB (%s)", est.total / memory_plan.GIB,
              props.total_memory / memory_plan.GIB, est.summary())

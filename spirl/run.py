@@ -52,7 +52,7 @@ from .preflight import (
     resolve_model,
     validate_model_dir,
 )
-from .trainer import Policy
+from .policy import Policy, build_policy_and_engine, resume_into, sync_weights
 
 log = logging.getLogger("spirl.run")
 
@@ -69,67 +69,21 @@ def save_checkpoint(cfg: TrainConfig, policy: Policy, step: int, model_dir: Path
         state["reference"] = reference
     masters = {name: world.full_cpu(p) for name, p in policy.masters.items()}
     opt = ckpt.optimizer_tensors(policy.optimizer, world.full_cpu)
+    adapter = None
+    if getattr(policy, "spec", None) is not None:  # LoRA: the masters are written as a PEFT adapter
+        from .lora import adapter_writer
+
+        adapter = adapter_writer(policy, cfg, (reference or {}).get("fingerprint", ""))
     path, error = None, None
     if world.is_main:
         try:
-            path = ckpt.save(Path(cfg.checkpoint_dir) / cfg.run_name, step, masters, opt, state)
+            path = ckpt.save(Path(cfg.checkpoint_dir) / cfg.run_name, step, masters, opt, state, adapter)
         except UserError as e:
             error = e
     world.raise_if_any(error)
     if path is not None:
         log.info("checkpoint: %s", path)
     return path
-
-
-def _shard_rows(policy: Policy):
-    """For ckpt.load: the rows of each saved tensor this rank holds (None: all of it)."""
-    from .distributed import local_rows
-
-    params = list(policy.masters.values())
-
-    def rows(key: str):
-        head, _, name = key.partition(".")
-        if head.isdigit() and name:  # optimizer state "<param index>.<name>"; `step` is a scalar
-            return None if name == "step" or int(head) >= len(params) else local_rows(params[int(head)])
-        return local_rows(policy.masters[key]) if key in policy.masters else None
-    return rows
-
-
-def resume_into(policy: Policy, path: str, device) -> int:
-    from .distributed import like, local
-
-    sharded = policy.world.sharded
-    state, masters, opt_state = ckpt.load(path, device, _shard_rows(policy) if sharded else None)
-    d = ckpt.resolve(path)
-    with torch.no_grad():
-        for name, p in policy.masters.items():
-            if name not in masters or masters[name].shape != local(p).shape:
-                raise ckpt.CheckpointError(f"--resume {d}: {name} does not match the model; resume with the "
-                                           "--model that run used")
-            local(p).copy_(masters[name])
-    if sharded:  # the optimizer's state tensors are sharded like their parameters
-        params = [p for group in policy.optimizer.param_groups for p in group["params"]]
-        for i, st in opt_state["state"].items():
-            if i < len(params):
-                for k in ("exp_avg", "exp_avg_sq"):
-                    if k in st and st[k].shape == local(params[i]).shape:
-                        st[k] = like(st[k], params[i])
-    try:
-        policy.optimizer.load_state_dict(opt_state)
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise ckpt.CheckpointError(f"--resume {d}: its optimizer state does not fit this run "
-                                   f"({' '.join(str(e).split())}); pass another checkpoint") from None
-    for group in policy.optimizer.param_groups:
-        for p in group["params"]:
-            for k in ("exp_avg", "exp_avg_sq"):
-                t = policy.optimizer.state.get(p, {}).get(k)
-                if t is not None and local(t).shape != local(p).shape:
-                    raise ckpt.CheckpointError(f"--resume {d}: its optimizer state has shape {list(t.shape)} for a "
-                                               f"parameter of shape {list(p.shape)}; pass another checkpoint")
-    policy.push_masters_to_model()
-    ckpt.restore_rng(state)
-    log.info("resumed from %s at step %d", d, state["step"])
-    return int(state["step"])
 
 
 # -- interrupts -----------------------------------------------------------------------------------------
@@ -240,8 +194,13 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
         world.barrier()
     _, model_args = validate_model_dir(model_dir)
     reference = {"model": cfg.model, "model_dir": str(model_dir), "fingerprint": model_fingerprint(model_dir)}
+    lora = None
+    if cfg.lora:  # the adapter's spec (rank checked against the layers, --lora-init read) before anything heavy
+        from .lora import resolve_spec
+
+        lora = resolve_spec(cfg, model_args, model_dir, reference["fingerprint"])
     if cfg.resume:
-        check_resume(cfg.resume, model_args, reference)
+        check_resume(cfg.resume, model_args, reference, None if lora is None else lora.spec)
     if cfg.engine == "vllm":
         require_cuda("--engine vllm", _NATIVE)
     device = world.device if world is not None else resolve_device(cfg.device)
@@ -254,13 +213,12 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     if device.type == "cuda":
         single_turn = longest_prompt is not None and not getattr(task, "multi_turn", False)
         check_memory(cfg, model_args, device, longest_prompt + cfg.max_new_tokens if single_turn else limit,
-                     world.size if world.sharded else 0)
-    policy = trainer.build_policy(model_dir, cfg, device, world)
+                     world.size if world.sharded else 0, None if lora is None else lora.spec)
+    policy, engine = build_policy_and_engine(model_dir, cfg, device, world, lora)
     start = resume_into(policy, cfg.resume, device) if cfg.resume else 0
-    engine = trainer.build_engine(cfg, model_dir, policy)
     if longest_prompt is None:
         engine = LengthCheckedEngine(engine, cfg, limit, source)
-    trainer.sync_weights(engine, policy, cfg)  # the engine starts from the trainer's exact weights (matters on resume)
+    sync_weights(engine, policy, cfg)  # the engine starts from the trainer's exact weights (matters on resume)
     logger = MetricsLogger(run_dir, {"args": to_dict(cfg), "seed": cfg.seed, "model_dir": str(model_dir),
                                      "device": str(device), "world_size": world.size, "reference": reference},
                            resume_step=start if cfg.resume else None) if world.is_main else _NoLogger()
@@ -281,9 +239,13 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
                 progress["done"] = step
     finally:
         logger.close()
-    if world.sharded:
+        if not world.sharded:
+            engine.close()  # frees the GPU and ends vLLM's torch.distributed world: a clean exit
+    if world.sharded:  # every rank done before the shared process group goes
         world.barrier()
-        torch.distributed.destroy_process_group()
+        engine.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     return history
 
 

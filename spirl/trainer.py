@@ -1,9 +1,6 @@
 """The GRPO loop: rollouts -> rewards -> advantages -> parity check -> updates -> weight sync.
 
-Weights: AdamW updates fp32 *master* weights; the trainer's forward runs a compute-dtype model
-whose parameters are the cast of the masters (copied after every optimizer step). Gradients flow
-into the compute model and are accumulated into the masters' .grad in fp32. The engine receives
-the compute model's tensors, i.e. exactly the numbers the trainer's forward uses.
+The policy (weights, compute model, engine, weight sync) is spirl/policy.py's (and spirl/lora.py's).
 
 Per step, in order:
   1. prompts from a python RNG seeded by (seed, step), sampling seed derived from (seed, step):
@@ -31,157 +28,40 @@ and the engine's share. `memory/peak_gib/<phase>` reports torch's peak allocatio
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
 import random
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .config import TrainConfig
-from .distributed import World, gathered_weight_groups, shard_model, shard_of
-from .engines.base import Sample
+from .distributed import World, shard_of
 from .loss import grpo_advantages, grpo_loss, pad
 from .multiturn import episode_metrics, run_episodes
-from .optim import build_adamw, clip_grad_norm, step_with_deltas
+from .optim import clip_grad_norm, step_with_deltas
 from .parity import (
     ParityReport,
     SamplingDist,
-    compare_logprobs,
+    check_parity,
     logprob_dist,
     sampled_logprobs,
     sampled_logprobs_and_entropy,
 )
+from .policy import Policy, sync_weights
 
 log = logging.getLogger("spirl.trainer")
-
-EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|> (Qwen3's generation_config eos_token_id)
-
-
-class ParityError(RuntimeError):
-    """The engine's and the trainer's logprob of some sampled token differ."""
-
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN/Inf; the run stops with the last good checkpoint kept."""
 
 
-# -- setup ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Policy:
-    """fp32 masters (what AdamW updates), the compute model (their cast), the frozen reference
-    (None when the loss has no KL term). Sharded (`world.sharded`, under torchrun): `model` is the
-    FSDP2 module whose parameters *are* the masters, computing in the compute dtype (see
-    spirl.distributed), so there is nothing to push or accumulate by hand."""
-
-    masters: dict[str, torch.nn.Parameter]
-    model: torch.nn.Module
-    ref: torch.nn.Module | None
-    optimizer: torch.optim.Optimizer
-    world: World = field(default_factory=World)
-    compute_dtype: torch.dtype = torch.float32
-
-    @torch.no_grad()
-    def push_masters_to_model(self) -> None:
-        if self.world.sharded:  # FSDP casts the masters at every all-gather
-            return
-        for name, p in self.model.named_parameters():
-            p.copy_(self.masters[name])  # cast to the compute dtype
-
-    def grads_to_masters(self) -> None:
-        """Accumulate the compute model's grads into the masters' fp32 .grad, then clear them
-        (sharded: FSDP has reduce-scattered them into the masters' .grad already)."""
-        if self.world.sharded:
-            return
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                continue
-            m = self.masters[name]
-            g = p.grad.to(torch.float32)
-            m.grad = g.clone() if m.grad is None else m.grad.add_(g)
-            p.grad = None
-
-
-def build_policy(model_dir: Path, cfg: TrainConfig, device: torch.device, world: World | None = None) -> Policy:
-    from weights_vllm_compat import load_model
-
-    world = world or World(device=device)
-    dtype = getattr(torch, cfg.dtype)
-    backend = "reference" if cfg.engine == "native" else "auto"
-    if world.sharded:
-        return _build_sharded_policy(model_dir, cfg, device, world, dtype, backend)
-    master_model = load_model(model_dir, device=device, dtype=torch.float32, backend=backend)
-    # deepcopy first: .to() of a float32 model to float32 would otherwise share the masters' storage
-    model = copy.deepcopy(master_model).to(dtype)
-    model.activation_checkpointing = bool(cfg.activation_checkpointing)
-    ref = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
-    masters = dict(master_model.named_parameters())
-    return Policy(masters, model, ref, build_adamw(masters, cfg.lr, cfg.weight_decay), world, dtype)
-
-
-def _build_sharded_policy(model_dir, cfg, device, world: World, dtype, backend) -> Policy:
-    """Each rank reads the checkpoint on its CPU; fully_shard moves each layer's shard to its GPU."""
-    from weights_vllm_compat import load_model
-
-    from torchtitan_compat import select_backend
-
-    model = load_model(model_dir, device="cpu", dtype=torch.float32, backend=backend)
-    model.backend = select_backend(backend, device)  # the GPU's kernels, not the CPU's
-    model.activation_checkpointing = bool(cfg.activation_checkpointing)
-    ref = None
-    if cfg.kl_coef > 0:
-        ref = shard_model(copy.deepcopy(model).to(dtype).requires_grad_(False), world, dtype)
-    model = shard_model(model, world, dtype)
-    masters = dict(model.named_parameters())
-    return Policy(masters, model, ref, build_adamw(masters, cfg.lr, cfg.weight_decay), world, dtype)
-
-
 def sampling_dist(cfg: TrainConfig) -> SamplingDist:
     """The distribution whose logprobs engine and trainer compare and train on (--logprobs)."""
     return logprob_dist(cfg.logprobs, cfg.temperature, cfg.min_p)
-
-
-def build_engine(cfg: TrainConfig, model_dir: Path, policy: Policy):
-    if cfg.engine == "native":
-        from .engines.native_engine import NativeEngine
-
-        model = policy.model
-        if policy.world.sharded:  # the engine decodes on its own whole copy (weights synced into it)
-            from weights_vllm_compat import load_model
-
-            model = load_model(model_dir, device=policy.world.device, dtype=policy.compute_dtype,
-                               backend="reference").requires_grad_(False)
-        return NativeEngine(model, EOS_IDS, logprobs=cfg.logprobs)
-    from .engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngine, VLLMEngineConfig
-
-    return VLLMEngine(VLLMEngineConfig(
-        str(model_dir), seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_model_len=cfg.max_model_len, cuda_graphs="none" if cfg.eager else "full_decode_only",
-        logprobs_mode=VLLM_LOGPROBS_MODE[cfg.logprobs],
-        sleep_between_rollouts=bool(cfg.vllm_sleep), external_launcher=policy.world.sharded))
-
-
-def sync_weights(engine, policy: Policy, cfg: TrainConfig) -> None:
-    """Load the compute model's tensors (the trainer's exact forward weights) into the engine;
-    sharded: gathered whole one layer at a time, on every rank, into that rank's engine."""
-    import weights_vllm_compat
-
-    if policy.world.sharded:
-        groups = gathered_weight_groups(policy.model, policy.compute_dtype)
-    else:
-        groups = [{k: v.detach() for k, v in policy.model.named_parameters()}]
-    for group in groups:
-        if cfg.engine == "native":
-            engine.load_weights(group.items())
-        else:
-            engine.load_weights(weights_vllm_compat.compat_part_to_hf(group, policy.model.args))
 
 
 # -- one step -----------------------------------------------------------------------------------
@@ -214,56 +94,6 @@ def phase_metrics(times: dict) -> dict[str, float]:
 
 def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**63)
-
-
-def check_parity(samples: list[Sample], trainer_lps, step: int, run_dir: Path, engine, policy) -> ParityReport:
-    """Every sampled token (every turn of a multi-turn trajectory): engine logprob == trainer's,
-    bitwise. Collective: each rank checks its own samples, and if any rank differs the step fails
-    on every rank with one ParityError naming the ranks (each differing rank writes its report)."""
-    report = compare_logprobs([s.logprobs for s in samples], trainer_lps)
-    failure = None if report.bitwise_identical else _report_mismatch(report, samples, trainer_lps, step, run_dir,
-                                                                    engine, policy)
-    world = policy.world
-    failures = [(r, f) for r, f in enumerate(world.gather(failure)) if f is not None]
-    if failures:
-        where = "; ".join(f"rank {r}: {f}" if world.sharded else f for r, f in failures)
-        raise ParityError(f"step {step}: {where}")
-    return report
-
-
-def _report_mismatch(report: ParityReport, samples, trainer_lps, step: int, run_dir: Path, engine, policy) -> str:
-    """Write this rank's parity report (first differing token, and on one GPU with vLLM the first
-    differing layer/op); returns the one-line summary."""
-    i, j = report.first_mismatch or (0, 0)
-    s = samples[i]
-    position = [k for k, m in enumerate(s.loss_mask) if m][j]
-    detail = {"step": step, "summary": report.summary(), "sequence_index": i, "sampled_token_index": j,
-              "token_position": position, "ids": s.ids, "loss_mask": s.loss_mask,
-              "engine_logprobs": s.logprobs.tolist(), "trainer_logprobs": trainer_lps[i].float().cpu().tolist(),
-              "per_sequence_different": report.per_sample_different}
-    if policy.world.sharded:
-        detail["rank"] = policy.world.rank
-        detail["localization"] = ("not run: it needs the whole model on one GPU; resume this run's last checkpoint "
-                                  "without torchrun to localize")
-    elif hasattr(engine, "llm"):  # vLLM: find the first layer/op that differs
-        try:
-            from types import SimpleNamespace
-
-            from spirl.localize import localize_sample
-
-            detail["localization"] = localize_sample(SimpleNamespace(engine=engine, model=policy.model),
-                                                     s.ids[:position + 1])
-        except Exception as e:  # the report must still be written
-            detail["localization"] = f"localization failed: {type(e).__name__}: {e}"
-    suffix = f"_rank{policy.world.rank}" if policy.world.sharded else ""
-    path = run_dir / f"parity_failure_step{step:06d}{suffix}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(detail, indent=1) + "\n")
-    log.error("PARITY BROKEN at step %d: %s; sequence %d (%d tokens, %d sampled), token position %d; report: %s",
-              step, report.summary(), i, len(s.ids), len(s.logprobs), position, path)
-    if "localization" in detail:
-        log.error("%s", detail["localization"])
-    return f"{report.summary()} (report: {path})"
 
 
 def token_budget_slices(lengths: list[int], budget: int) -> list[slice]:
@@ -318,6 +148,7 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
             clip_grad_norm(list(policy.masters.values()), cfg.max_grad_norm)
         deltas = step_with_deltas(policy.optimizer, world.all_sum)
         policy.optimizer.zero_grad(set_to_none=True)
+    with timed(times, policy.merge_phase):
         policy.push_masters_to_model()
     return {**sums, **deltas}
 
@@ -404,9 +235,9 @@ def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, 
     if hasattr(engine, "sleep"):
         engine.sleep()  # free the KV cache while the trainer trains (--vllm-sleep)
     ref_lps = None
-    if policy.ref is not None:
-        with timed(times, "reference"), torch.no_grad():
-            ref_lps = [x.float().cpu() for x in sampled_logprobs(policy.ref, samples, device, dist)]
+    if policy.has_reference:
+        with timed(times, "reference"), torch.no_grad(), policy.reference_model() as ref:
+            ref_lps = [x.float().cpu() for x in sampled_logprobs(ref, samples, device, dist)]
     old_lps = [s.logprobs for s in samples]
     out = step_scalars(policy, samples, rewards, report, extra)
     if multi_turn and cfg.detect_retokenization:

@@ -20,7 +20,7 @@ Tasks:
               the held-out accuracy has room to rise (docs/learning-curve.md). Only training pairs
               are used (spirl.tasks.arith keeps the eval pairs out of its pool).
 
-The steps run on the trainer's own path (spirl.trainer.build_policy: fp32 masters, the compute
+The steps run on the trainer's own path (spirl.policy.build_policy: fp32 masters, the compute
 model's forward and deterministic backward, per-layer AdamW), so a warm start is as repeatable
 as a GRPO step: same seed, same bits.
 """
@@ -102,7 +102,7 @@ def warmstart(model_dir: Path, out: Path, steps: int, batch: int, lr: float, see
 
     from .config import TrainConfig
     from .parity import sampled_logprobs
-    from .trainer import build_policy
+    from .policy import build_policy
 
     torch.manual_seed(seed)
     rng = random.Random(seed)

@@ -87,7 +87,7 @@ def test_check_prints_a_summary(tiny_ckpt, capsys):
     (["--random", "tiny", "--layers", "0", "--out", "{tmp}/zero"], "num_layers must be >= 1"),
     (["--random", "tiny", "--out", "{tmp}/full"], "already exists and is not empty"),
     (["--random", "tiny"], "--out DIR is required"),
-    ([], "one of the arguments --random --download --check is required"),
+    ([], "one of the arguments --random --download --check --merge-lora is required"),
     (["--download", "spirl-test/no-such-repo", "--out", "{tmp}/dl"], "could not download"),
     (["--check", "{tiny}", "--dtype", "fp64"], "invalid choice: 'fp64'"),
 ])

@@ -84,8 +84,8 @@ torch.cuda.get_device_properties = lambda d=None: types.SimpleNamespace(total_me
     # the engine's logprob of one sampled token is one ulp off: parity breaks at step 1
     "parity_flip": '''
 import torch
-from spirl import trainer
-_real = trainer.build_engine
+from spirl import policy
+_real = policy.build_engine
 def _build(cfg, model_dir, policy):
     engine = _real(cfg, model_dir, policy)
     generate = engine.generate
@@ -95,7 +95,7 @@ def _build(cfg, model_dir, policy):
         return samples
     engine.generate = generate_then_flip
     return engine
-trainer.build_engine = _build
+policy.build_engine = _build
 ''',
     "nan_loss": '''
 from spirl import trainer

@@ -304,7 +304,7 @@ def _mt_cfg(ckpt, tmp: Path, **kw):
 
 
 def _scripted(monkeypatch, tok, break_turn: int | None = None):
-    from spirl import trainer
+    from spirl import policy
 
     def build(cfg, model_dir, policy):
         engine = ScriptedEngine(policy.model, tok)
@@ -323,7 +323,7 @@ def _scripted(monkeypatch, tok, break_turn: int | None = None):
             engine.rescore = rescore_then_flip
         return engine
 
-    monkeypatch.setattr(trainer, "build_engine", build)
+    monkeypatch.setattr(policy, "build_engine", build)
 
 
 def test_multi_turn_grpo_steps_with_parity_over_every_turn(tiny_ckpt, tok, tmp_path, monkeypatch):
@@ -348,10 +348,10 @@ def test_multi_turn_grpo_steps_with_parity_over_every_turn(tiny_ckpt, tok, tmp_p
 
 def test_multi_turn_parity_break_in_a_later_turn_is_caught(tiny_ckpt, tok, tmp_path, monkeypatch):
     """One ulp off in the *second* turn of one episode stops the run: parity covers every turn."""
-    from spirl import run, trainer
+    from spirl import parity, run
 
     _scripted(monkeypatch, tok, break_turn=1)
-    with pytest.raises(trainer.ParityError, match="different: 1"):
+    with pytest.raises(parity.ParityError, match="different: 1"):
         run.train(_mt_cfg(tiny_ckpt, tmp_path, steps=1))
     report = json.loads((tmp_path / "runs" / "mt" / "parity_failure_step000001.json").read_text())
     assert report["sequence_index"] == 2 and report["loss_mask"][report["token_position"]]

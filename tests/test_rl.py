@@ -161,12 +161,12 @@ def test_all_zero_advantages_skip_update(tiny_ckpt, tmp_path):
 
 def test_parity_break_stops_with_report_and_keeps_checkpoint(tiny_ckpt, tmp_path, monkeypatch):
     """One engine logprob off by one ulp: ParityError, a report file, no checkpoint written."""
-    from spirl import run, trainer
+    from spirl import parity, policy, run
 
-    real = trainer.build_engine
+    real = policy.build_engine
 
-    def flipping_engine(cfg, model_dir, policy):
-        engine = real(cfg, model_dir, policy)
+    def flipping_engine(cfg, model_dir, pol):
+        engine = real(cfg, model_dir, pol)
         generate = engine.generate
 
         def generate_then_flip(*a, **kw):
@@ -178,8 +178,8 @@ def test_parity_break_stops_with_report_and_keeps_checkpoint(tiny_ckpt, tmp_path
         engine.generate = generate_then_flip
         return engine
 
-    monkeypatch.setattr(trainer, "build_engine", flipping_engine)
-    with pytest.raises(trainer.ParityError, match="different: 1"):
+    monkeypatch.setattr(policy, "build_engine", flipping_engine)
+    with pytest.raises(parity.ParityError, match="different: 1"):
         run.train(_cfg(tiny_ckpt, tmp_path, steps=1, max_new_tokens=2))
     report = tmp_path / "runs" / "full" / "parity_failure_step000001.json"
     assert report.is_file() and '"sequence_index": 3' in report.read_text()

@@ -67,7 +67,7 @@ def test_activation_checkpointing_changes_no_gradient_bit(tiny_ckpt):
 
 
 def test_no_reference_model_without_kl(tiny_ckpt, tmp_path):
-    from spirl.trainer import build_policy
+    from spirl.policy import build_policy
 
     assert build_policy(tiny_ckpt, _cfg(tiny_ckpt, tmp_path, kl_coef=0.0), torch.device("cpu")).ref is None
     assert build_policy(tiny_ckpt, _cfg(tiny_ckpt, tmp_path, kl_coef=0.1), torch.device("cpu")).ref is not None
@@ -91,7 +91,7 @@ def test_sampling_logprobs_are_of_the_distribution_that_sampled(tiny_ckpt, tmp_p
 
 def test_engine_gets_the_configs_settings(tiny_ckpt, tmp_path, monkeypatch):
     import spirl.engines.vllm_engine as vllm_engine
-    from spirl import trainer
+    from spirl import policy as trainer
 
     built = []
     monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda cfg: built.append(cfg) or cfg)

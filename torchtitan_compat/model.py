@@ -4,7 +4,8 @@ Same math as torchtitan's `Qwen3Model` (pre-norm decoder, q/k RMSNorm per head, 
 SwiGLU MLP, tied or untied embeddings), with vLLM's merged projections (`qkv_proj` =
 [wq; wk; wv], `gate_up_proj` = [w1; w3]) so that every matmul has the very shape vLLM runs, and
 every op routed through a kernel backend (`ops.py`) wrapped with a backward
-(`batch_invariant_backward.py`).
+(`batch_invariant_backward.py`). LoRA (`lora.py`) swaps adapted projections for `LoRALinear`s,
+which compute with the merged weight and train the adapters.
 
 Input is vLLM's flat token batch: sequences packed along one axis, described by `cu_seqlens`.
 The residual stream is added in the activation dtype before each RMSNorm, exactly as vLLM's
@@ -22,6 +23,7 @@ from torchtitan.models.qwen3 import Qwen3ModelArgs
 
 import batch_invariant_backward as bib
 
+from .lora import LoRALinear
 from .ops import select_backend
 
 
@@ -121,6 +123,10 @@ class Qwen3VLLMCompatModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
+    def head_lora(self):
+        """(A, B, scale) of a LoRA adapter on lm_head (torchtitan_compat.lora), else None."""
+        return self.output.head_lora() if isinstance(self.output, LoRALinear) else None
+
     def rope_cache(self, like: torch.Tensor) -> torch.Tensor:
         """vLLM's [cos | sin] table, built once per device/dtype (not a parameter, never trained)."""
         c = self._rope_cache
@@ -145,6 +151,8 @@ class Qwen3VLLMCompatModel(nn.Module):
 
     def forward(self, tokens, positions, cu_seqlens, max_seqlen=None) -> torch.Tensor:
         h = self.hidden_states(tokens, positions, cu_seqlens, max_seqlen)
+        if isinstance(self.output, LoRALinear):
+            return self.output.apply(h, self.backend)
         return bib.linear(h, self.output_weight(), self.backend)
 
     def token_logprobs(self, tokens, positions, cu_seqlens, max_seqlen, rows, targets, temperature=1.0,
@@ -155,4 +163,4 @@ class Qwen3VLLMCompatModel(nn.Module):
         call is one forward, so a sharded model (FSDP2) gathers its weights for it as for forward."""
         h = self.hidden_states(tokens, positions, cu_seqlens, max_seqlen)[rows]
         return bib.lm_head_logprobs(h, self.output_weight(), targets, self.backend, temperature, min_p,
-                                    entropy=entropy)
+                                    entropy=entropy, lora=self.head_lora())

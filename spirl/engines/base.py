@@ -41,3 +41,21 @@ def samples_by_prompt(samples: list[Sample], n: int) -> list[list[Sample]]:
     if len(samples) % n:
         raise ValueError(f"{len(samples)} samples do not split into groups of {n}")
     return [samples[i:i + n] for i in range(0, len(samples), n)]
+
+
+@dataclass
+class Request:
+    """One prompt's sampling settings, for engines' `sample` (several requests with their own settings
+    in one batch: the Tinker API's concurrent `sample` calls)."""
+
+    prompt: list[int]
+    n: int = 1
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a completion (kept as its last token), besides the model's EOS tokens."""
+    ignore_eos: bool = False
+    """Do not stop at the model's EOS tokens (only at stop_token_ids, or max_tokens)."""

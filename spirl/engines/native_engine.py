@@ -23,13 +23,18 @@ import torch
 import torch.nn.functional as F
 
 from ..parity import SamplingDist, logprob_dist, sampled_logprobs
-from .base import Sample
+from .base import Request, Sample
 
 
 class NativeEngine:
-    def __init__(self, model, eos_ids: Iterable[int], logprobs: str = "raw"):
+    def __init__(self, model, eos_ids: Iterable[int], logprobs: str = "raw", one_per_forward: bool = False):
         self.model = model
         """The trainer's compute model itself: weight sync is then a no-op (see load_weights)."""
+        self.one_per_forward = one_per_forward
+        """Rescore each sequence in a forward of its own, over every row. The reference backend (CPU)
+        is not batch invariant (a GEMM's bits depend on its row count), so a logprob has the trainer's
+        bits only if the trainer computes it the same way: the Tinker API's trainer then scores one
+        datum per forward, every position of it."""
         self.eos_ids = set(int(i) for i in eos_ids)
         self.logprobs = logprobs
         """`sampling` or `raw`: which distribution's logprobs the samples carry."""
@@ -61,11 +66,31 @@ class NativeEngine:
         return self.rescore(samples, temperature, min_p)
 
     @torch.no_grad()
+    def sample(self, requests: list[Request]) -> list[list[Sample]]:
+        """Each request's n samples with its own settings (one request at a time)."""
+        out = []
+        for r in requests:
+            gen = torch.Generator(device=self.device).manual_seed(0 if r.seed is None else r.seed)
+            pick = dict(temperature=r.temperature, min_p=0.0, top_k=r.top_k, top_p=r.top_p) if r.temperature > 0 \
+                else {"greedy": True}
+            stops = set(r.stop_token_ids) | (set() if r.ignore_eos else self.eos_ids)
+            group = [Sample(list(r.prompt), c, torch.empty(0), reason)
+                     for c, reason in self._sample_group(list(r.prompt), r.n, r.max_tokens, pick, gen, stops)]
+            out.append(self.rescore(group, r.temperature))
+        return out
+
+    @torch.no_grad()
     def rescore(self, seqs: list, temperature: float = 1.0, min_p: float = 0.0) -> list:
         """Set every sequence's logprobs to the trainer's packed forward over exactly these
         sequences (see the module docstring). Multi-turn rollouts call it on whole trajectories."""
-        for s, lp in zip(seqs, sampled_logprobs(self.model, seqs, self.device, self.dist(temperature, min_p))):
-            s.logprobs = lp.float().cpu()
+        dist = self.dist(temperature, min_p)
+        if not self.one_per_forward:
+            for s, lp in zip(seqs, sampled_logprobs(self.model, seqs, self.device, dist)):
+                s.logprobs = lp.float().cpu()
+            return seqs
+        for s in seqs:  # alone, and every row (as the Tinker trainer scores a datum), then the sampled ones
+            every = sampled_logprobs(self.model, [Sample(s.ids[:1], s.ids[1:], torch.empty(0))], self.device, dist)[0]
+            s.logprobs = every[torch.tensor(s.loss_mask[1:])].float().cpu()
         return seqs
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
@@ -76,6 +101,9 @@ class NativeEngine:
             if t.data_ptr() != p.data_ptr():
                 p.data.copy_(t)
         return 0.0
+
+    def close(self) -> None:
+        """Nothing to release (the model is the trainer's)."""
 
     # -- decoding ------------------------------------------------------------------------------
 
@@ -101,7 +129,8 @@ class NativeEngine:
             z = z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
         return torch.multinomial(torch.softmax(z, dim=-1), 1, generator=gen).squeeze(-1)
 
-    def _sample_group(self, prompt, n, max_tokens, pick, gen):
+    def _sample_group(self, prompt, n, max_tokens, pick, gen, stops=None):
+        stops = self.eos_ids if stops is None else stops
         dev = self.device
         tokens = torch.tensor(prompt, device=dev)
         positions = torch.arange(len(prompt), device=dev)
@@ -115,7 +144,7 @@ class NativeEngine:
             for i, tok in enumerate(nxt.tolist()):
                 if done[i] is None:
                     out[i].append(tok)
-                    if tok in self.eos_ids:
+                    if tok in stops:
                         done[i] = "stop"
             if all(d is not None for d in done) or t == max_tokens - 1:
                 break

@@ -18,6 +18,7 @@ Settings and why:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -27,7 +28,7 @@ from typing import Iterable
 import torch
 
 from .. import vllm_patches
-from .base import Sample
+from .base import Request, Sample
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,13 @@ class VLLMEngineConfig:
     sleep_between_rollouts: bool = False
     """Build with vLLM's sleep mode, so `sleep()` can free the KV cache and move the weights to
     host memory while the trainer trains, and `wake_up()` bring them back."""
+    load_format: str = "auto"
+    """vLLM's load_format: `auto` reads model_dir's safetensors; `dummy` starts from placeholder
+    weights (LoRA: the trainer loads the base in memory, so the checkpoint is read once)."""
+    untie_lm_head: bool = False
+    """Give lm_head a tensor of its own although config.json ties it to the embedding (LoRA on
+    lm_head: the output projection is merged with the adapter, the input embedding is not); the
+    caller loads `lm_head.weight`, so use it with load_format `dummy`."""
     external_launcher: bool = False
     """Under torchrun: one engine per rank (tensor parallel 1) on that rank's GPU, sharing the
     trainer's process group (vLLM's `external_launcher` backend; every rank generates its own
@@ -121,6 +129,8 @@ class VLLMEngine:
                        enable_prefix_caching=False, gpu_memory_utilization=cfg.gpu_memory_utilization,
                        max_model_len=cfg.max_model_len, logprobs_mode=cfg.logprobs_mode,
                        enable_sleep_mode=cfg.sleep_between_rollouts, **CUDA_GRAPH_MODES[cfg.cuda_graphs],
+                       load_format=cfg.load_format,
+                       hf_overrides={"tie_word_embeddings": False} if cfg.untie_lm_head else None,
                        **({"distributed_executor_backend": "external_launcher"} if cfg.external_launcher else {}))
         self.asleep = False
         self.start_seconds = time.perf_counter() - t0
@@ -131,6 +141,43 @@ class VLLMEngine:
     def model(self) -> torch.nn.Module:
         """vLLM's Qwen3ForCausalLM instance (V2 model runner, in-process)."""
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+    def compat_weights(self, model_args) -> dict[str, torch.Tensor]:
+        """The engine's own weight tensors under the trainer's names (weights_vllm_compat's merged
+        layout; vLLM's Qwen3 fuses qkv_proj and gate_up_proj the same way): views, not copies, so
+        writing into one changes what the next rollout computes (CUDA graphs replay the same
+        addresses). `output.weight` is there when lm_head has its own tensor. Shapes are checked
+        against the layout, so a vLLM that laid its weights out otherwise fails here, in one line."""
+        from weights_vllm_compat import expected_compat_shapes
+
+        from torchtitan_compat.vllm_ops import PINNED_VLLM_VERSION
+
+        top = self.model
+        m, v = top.model, model_args.vocab_size
+        out = {"tok_embeddings.weight": m.embed_tokens.weight.data[:v]}
+        for i, layer in enumerate(m.layers):
+            p, attn, mlp = f"layers.{i}.", layer.self_attn, layer.mlp
+            out.update({
+                p + "attention_norm.weight": layer.input_layernorm.weight.data,
+                p + "attention.qkv_proj.weight": attn.qkv_proj.weight.data,
+                p + "attention.o_proj.weight": attn.o_proj.weight.data,
+                p + "attention.q_norm.weight": attn.q_norm.weight.data,
+                p + "attention.k_norm.weight": attn.k_norm.weight.data,
+                p + "ffn_norm.weight": layer.post_attention_layernorm.weight.data,
+                p + "feed_forward.gate_up_proj.weight": mlp.gate_up_proj.weight.data,
+                p + "feed_forward.down_proj.weight": mlp.down_proj.weight.data,
+            })
+        out["norm.weight"] = m.norm.weight.data
+        if top.lm_head is not m.embed_tokens:
+            out["output.weight"] = top.lm_head.weight.data[:v]
+        expected = expected_compat_shapes(model_args)
+        expected.setdefault("output.weight", (v, model_args.dim))
+        wrong = [k for k, t in out.items() if tuple(t.shape) != tuple(expected[k])]
+        if wrong or len(m.layers) != model_args.n_layers:
+            k = wrong[0] if wrong else "layers"
+            raise RuntimeError(f"vLLM's Qwen3 weights are not laid out as the trainer's ({k}: "
+                               f"{list(out[k].shape) if wrong else len(m.layers)}); vLLM {PINNED_VLLM_VERSION} is required")
+        return out
 
     def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 64,
                  temperature: float = 1.0, seed: int | list[int] | None = None,
@@ -149,6 +196,20 @@ class VLLMEngine:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                     params, use_tqdm=False)
         return [_to_sample(list(p), c) for p, out in zip(prompts, outputs) for c in out.outputs]
+
+    def sample(self, requests: list[Request]) -> list[list[Sample]]:
+        """Each request's n samples (its own settings), all in one engine call; logprobs as the
+        engine's logprobs_mode says."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake_up()
+        params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, logprobs=0, seed=r.seed,
+                                 top_k=r.top_k, top_p=r.top_p, stop_token_ids=list(r.stop_token_ids),
+                                 ignore_eos=r.ignore_eos) for r in requests]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests], params,
+                                    use_tqdm=False)
+        return [[_to_sample(list(r.prompt), c) for c in out.outputs] for r, out in zip(requests, outputs)]
 
     def greedy(self, prompts: list[list[int]], max_tokens: int = 64) -> list[list[int]]:
         """The argmax completion of each prompt (evaluation; temperature 0, no logprobs)."""
@@ -180,6 +241,31 @@ class VLLMEngine:
         self.model.load_weights(hf_named_tensors)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
+
+    def load_all_weights(self, hf_named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """load_weights, then check that every parameter of the engine was written (vLLM checks
+        nothing after `load_format="dummy"`: a missing tensor would keep its placeholder values)."""
+        self.wake_up()
+        loaded = self.model.load_weights(hf_named_tensors)
+        torch.cuda.synchronize()
+        missing = sorted(set(n for n, _ in self.model.named_parameters()) - set(loaded or ()))
+        if missing:
+            raise RuntimeError(f"vLLM kept placeholder values for {len(missing)} weight(s), e.g. {missing[0]}: "
+                               "the weights given do not cover the model")
+
+    def close(self) -> None:
+        """Shut the engine down (idempotent): its engine core frees the model and KV cache and ends
+        the torch.distributed world vLLM started in this process, so the process exits without
+        torch's "destroy_process_group() was not called" warning. vLLM's in-process LLM has no
+        shutdown of its own and runs none at exit."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        del llm
+        gc.collect()
 
 
 def _to_sample(prompt_ids: list[int], completion) -> Sample:

@@ -1,0 +1,212 @@
+"""LoRA training: a policy whose trained parameters are LoRA adapters, merged into the engine's own weights.
+
+Design (docs/lora.md): the rollout engine serves merged weights W' = round(W + s B A), so it runs
+at full speed and does not know it serves LoRA; the trainer computes with the very same W', so
+parity is full fine-tuning's problem. One copy of the weights is on the GPU:
+
+* with vLLM, the engine is built with placeholder weights (`load_format="dummy"`) and given the
+  base in memory; the trainer's model then adopts the engine's tensors (vLLM's Qwen3 keeps the
+  fused `qkv_proj` / `gate_up_proj` layout the trainer uses; `VLLMEngine.compat_weights`). After
+  every optimizer step each adapted block of W' is rewritten in place (`LoRAPolicy.push_masters_to_model`):
+  that is the weight sync, and nothing is copied into the engine;
+* the frozen base W of the adapted projections stays in pinned host memory (`--lora-base host`,
+  streamed in by each merge) or on the GPU (`--lora-base gpu`); embeddings and norms are frozen
+  and exist once, in the engine;
+* the native engine (CPU) decodes with the trainer's model itself, so the same holds there.
+
+Only the adapters (float32) have gradients and AdamW state. The reference policy (kl_coef > 0) is
+the initial adapters: merged in for the reference forward, merged out after. Checkpoints hold the
+adapters as a PEFT adapter (spirl.checkpoint); `--lora-init` starts from one.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from torchtitan_compat.lora import DEFAULT_ALPHA, LoRAError, LoRALinear, LoRASpec, check_spec, parse_targets
+from torchtitan_compat.peft_adapter import AdapterError, read_adapter
+
+from .config import TrainConfig
+from .policy import Policy
+
+log = logging.getLogger("spirl.lora")
+
+FINGERPRINT_KEY = "spirl_base_fingerprint"
+"""Safetensors metadata key of the adapters SPIRL writes: the base checkpoint's fingerprint."""
+
+
+@dataclass
+class LoRAInit:
+    spec: LoRASpec
+    params: dict[str, torch.Tensor] | None = None
+    """Adapter tensors to start from (--lora-init), else None: PEFT's initialization (B = 0)."""
+
+
+def resolve_spec(cfg: TrainConfig, args, model_dir: Path, fingerprint: str | None = None) -> LoRAInit:
+    """The run's LoRA: from --lora-init's adapter (whose rank, alpha and targets win; flags that
+    disagree are refused) or from the flags. Refused in one line: a rank the layers cannot have, an
+    unknown target, an adapter written for another base (shapes, or SPIRL's recorded fingerprint)."""
+    if cfg.lora_init:
+        spec, params, meta = read_adapter(cfg.lora_init, args)
+        disagree = [f"--{k} {mine}" for k, mine, theirs in (
+            ("lora-rank", cfg.lora_rank, spec.rank), ("lora-alpha", cfg.lora_alpha, spec.alpha),
+            ("lora-targets", cfg.lora_targets, ",".join(spec.targets))) if mine and (
+            parse_targets(mine) != spec.targets if k == "lora-targets" else mine != theirs)]
+        if disagree:
+            raise LoRAError(f"--lora-init {cfg.lora_init} has rank {spec.rank}, alpha {spec.alpha:g}, targets "
+                            f"{','.join(spec.targets)}, which {' and '.join(disagree)} contradict; leave those "
+                            "flags unset to use the adapter's")
+        theirs = meta.get(FINGERPRINT_KEY)
+        if theirs and fingerprint and theirs != fingerprint:
+            raise AdapterError(f"adapter {cfg.lora_init} was trained on another base model (fingerprint {theirs}; "
+                               f"--model {cfg.model} is {fingerprint}); pass the --model it was trained on")
+        return LoRAInit(spec, params)
+    spec = LoRASpec(cfg.lora_rank, cfg.lora_alpha or DEFAULT_ALPHA, parse_targets(cfg.lora_targets))
+    check_spec(spec, args)
+    return LoRAInit(spec)
+
+
+@dataclass
+class LoRAPolicy(Policy):
+    """A Policy whose masters are the LoRA adapters (float32, on the device, trained directly: no
+    separate compute copy) and whose model computes with merged weights (see the module docstring)."""
+
+    spec: LoRASpec | None = None
+    modules: dict[str, LoRALinear] = field(default_factory=dict)
+    reference_adapters: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+    """Module path -> {target: (A, B)} of the initial adapters, kept when there is a KL term."""
+    engine_shares_weights = True
+    merge_phase = "lora_merge"
+
+    @torch.no_grad()
+    def push_masters_to_model(self) -> None:
+        """W' = round(W + s B A) for every adapted block: the forward's and the engine's weights."""
+        for m in self.modules.values():
+            m.merge()
+
+    def grads_to_masters(self) -> None:
+        """The adapters are the masters: autograd accumulated their float32 grads already."""
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference_adapters is not None
+
+    @contextmanager
+    def reference_model(self):
+        """The model with the initial adapters merged in; the current ones are merged back after."""
+        try:
+            for path, m in self.modules.items():
+                m.merge(self.reference_adapters[path])
+            yield self.model
+        finally:
+            self.push_masters_to_model()
+
+
+def _load_base(model_dir: Path, dtype: torch.dtype):
+    """(model args, compat state dict on the CPU in `dtype`): the frozen base, read once."""
+    from weights import load_hf_checkpoint
+    from weights_vllm_compat import hf_to_compat
+
+    from torchtitan_compat import model_args_from_hf_config
+
+    hf_config, hf_sd = load_hf_checkpoint(model_dir)
+    args = model_args_from_hf_config(hf_config)
+    compat = hf_to_compat(hf_sd, args)
+    del hf_sd
+    return args, {k: v.to(dtype) for k, v in compat.items()}
+
+
+def _adapted_keys(spec: LoRASpec, args) -> list[str]:
+    """Compat names of the weights that get adapters (whose frozen base must be kept)."""
+    from torchtitan_compat.lora import fused_modules
+
+    paths = [p for p, blocks in fused_modules(args).items() if any(t in spec.targets for t, _, _ in blocks)]
+    keys = [f"layers.{i}.{p}.weight" for i in range(args.n_layers) for p in paths if p != "output"]
+    return keys + (["output.weight"] if "output" in paths else [])
+
+
+def build_lora_policy_and_engine(model_dir: Path, cfg: TrainConfig, device: torch.device, world, init: LoRAInit):
+    """(LoRAPolicy, engine) sharing one copy of the weights (see the module docstring)."""
+    import weights_vllm_compat
+
+    from torchtitan_compat import Qwen3VLLMCompatModel, select_backend
+    from torchtitan_compat.lora import apply_lora, lora_modules
+
+    from .optim import build_adamw
+    from .policy import build_engine
+
+    if world.sharded:
+        raise LoRAError("LoRA under torchrun (several GPUs) is not supported yet: run LoRA on one GPU")
+    dtype = getattr(torch, cfg.dtype)
+    spec = init.spec
+    args, compat = _load_base(model_dir, dtype)
+    untie = "lm_head" in spec.targets and args.enable_weight_tying
+    if untie:
+        log.info("LoRA on lm_head with tied embeddings: the output projection gets its own weight (base = the "
+                 "embedding); the input embedding stays frozen")
+    engine = None
+    if cfg.engine == "vllm":
+        engine = build_engine(cfg, model_dir, None, load_format="dummy", untie_lm_head=untie)
+        named = dict(weights_vllm_compat.compat_to_vllm_weights(compat, args))
+        if untie:
+            named["lm_head.weight"] = compat["tok_embeddings.weight"]
+        engine.load_all_weights(named.items())
+        del named
+        weights = engine.compat_weights(args)
+    else:
+        weights = {k: v.to(device, copy=True) for k, v in compat.items()}
+        if untie:
+            weights["output.weight"] = compat["tok_embeddings.weight"].to(device, copy=True)
+    base = {}  # the frozen base of every adapted weight; the rest lives only in the model (the engine)
+    for k in _adapted_keys(spec, args):
+        src = "tok_embeddings.weight" if k == "output.weight" and untie else k
+        w = compat[src]
+        if device.type == "cuda":
+            w = w.to(device, copy=True) if cfg.lora_base == "gpu" else w.pin_memory()
+        base[k] = w
+        if src != "tok_embeddings.weight":
+            del compat[src]  # one host copy at a time
+    del compat
+    with torch.device("meta"):
+        model = Qwen3VLLMCompatModel(args, backend="reference")
+    model.backend = select_backend("reference" if cfg.engine == "native" else "auto", device)
+    head = weights.pop("output.weight", None) if untie else None
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.requires_grad_(False)
+    model.activation_checkpointing = bool(cfg.activation_checkpointing)
+    apply_lora(model, spec, base, seed=cfg.seed, head_weight=head)
+    masters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if init.params is not None:
+        with torch.no_grad():
+            for n, p in masters.items():
+                p.copy_(init.params[n])
+    modules = lora_modules(model)
+    reference = None
+    if cfg.kl_coef > 0:
+        reference = {path: {t: (m.lora_A[t].detach().clone(), m.lora_B[t].detach().clone()) for t, _, _ in m.blocks}
+                     for path, m in modules.items()}
+    policy = LoRAPolicy(masters, model, None, build_adamw(masters, cfg.lr, cfg.weight_decay), world, dtype,
+                        spec=spec, modules=modules, reference_adapters=reference)
+    policy.push_masters_to_model()
+    n = sum(p.numel() for p in masters.values())
+    log.info("LoRA rank %d, alpha %g (scale %.4g) on %s: %s trainable parameters; frozen base in %s memory",
+             spec.rank, spec.alpha, spec.scale, ",".join(spec.targets), f"{n:,}",
+             "GPU" if device.type == "cuda" and cfg.lora_base == "gpu" else "host")
+    if engine is None:
+        engine = build_engine(cfg, model_dir, policy)
+    return policy, engine
+
+
+def adapter_writer(policy: LoRAPolicy, cfg: TrainConfig, fingerprint: str):
+    """A function writing the policy's adapters as a PEFT adapter into a directory (for checkpoints)."""
+    from torchtitan_compat.peft_adapter import write_adapter
+
+    def write(directory: Path) -> None:
+        write_adapter(directory, policy.masters, policy.spec, base_model=cfg.model,
+                      metadata={FINGERPRINT_KEY: fingerprint})
+    return write

@@ -1,0 +1,224 @@
+"""The policy: the weights training updates, the model the trainer computes with, the rollout engine
+that samples from them, and keeping the two in step. The core that both GRPO (spirl/trainer.py,
+spirl/run.py) and the Tinker API (spirl/tinker/) train through.
+
+Full fine-tuning: AdamW updates fp32 *master* weights; the trainer's forward runs a compute-dtype
+model whose parameters are the cast of the masters (copied after every optimizer step). Gradients
+flow into the compute model and are accumulated into the masters' .grad in fp32. The engine
+receives the compute model's tensors, i.e. exactly the numbers the trainer's forward uses
+(`sync_weights`). LoRA (spirl/lora.py): the masters are the adapters, and the engine computes
+with the trainer's own merged weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import TrainConfig
+from .distributed import World, gathered_weight_groups, shard_model
+from . import checkpoint as ckpt
+from .optim import build_adamw
+
+log = logging.getLogger("spirl.policy")
+
+EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|> (Qwen3's generation_config eos_token_id)
+
+
+@dataclass
+class Policy:
+    """fp32 masters (what AdamW updates), the compute model (their cast), the frozen reference
+    (None when the loss has no KL term). Sharded (`world.sharded`, under torchrun): `model` is the
+    FSDP2 module whose parameters *are* the masters, computing in the compute dtype (see
+    spirl.distributed), so there is nothing to push or accumulate by hand."""
+
+    masters: dict[str, torch.nn.Parameter]
+    model: torch.nn.Module
+    ref: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    world: World = field(default_factory=World)
+    compute_dtype: torch.dtype = torch.float32
+    engine_shares_weights = False
+    """True when the engine computes with the model's own weight tensors (LoRA, spirl.lora): the
+    weight sync is then the merge `push_masters_to_model` does, and nothing is loaded."""
+    merge_phase = "optimizer"
+    """The timing phase `push_masters_to_model` is counted in."""
+
+    @property
+    def has_reference(self) -> bool:
+        return self.ref is not None
+
+    @contextmanager
+    def reference_model(self):
+        """The frozen initial policy, for reference logprobs (only when there is a KL term)."""
+        yield self.ref
+
+    @torch.no_grad()
+    def push_masters_to_model(self) -> None:
+        if self.world.sharded:  # FSDP casts the masters at every all-gather
+            return
+        for name, p in self.model.named_parameters():
+            p.copy_(self.masters[name])  # cast to the compute dtype
+
+    def grads_to_masters(self) -> None:
+        """Accumulate the compute model's grads into the masters' fp32 .grad, then clear them
+        (sharded: FSDP has reduce-scattered them into the masters' .grad already)."""
+        if self.world.sharded:
+            return
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            m = self.masters[name]
+            g = p.grad.to(torch.float32)
+            m.grad = g.clone() if m.grad is None else m.grad.add_(g)
+            p.grad = None
+
+
+def build_policy(model_dir: Path, cfg: TrainConfig, device: torch.device, world: World | None = None) -> Policy:
+    from weights_vllm_compat import load_model
+
+    world = world or World(device=device)
+    dtype = getattr(torch, cfg.dtype)
+    backend = "reference" if cfg.engine == "native" else "auto"
+    if world.sharded:
+        return _build_sharded_policy(model_dir, cfg, device, world, dtype, backend)
+    master_model = load_model(model_dir, device=device, dtype=torch.float32, backend=backend)
+    # deepcopy first: .to() of a float32 model to float32 would otherwise share the masters' storage
+    model = copy.deepcopy(master_model).to(dtype)
+    model.activation_checkpointing = bool(cfg.activation_checkpointing)
+    ref = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
+    masters = dict(master_model.named_parameters())
+    return Policy(masters, model, ref, build_adamw(masters, cfg.lr, cfg.weight_decay), world, dtype)
+
+
+def _build_sharded_policy(model_dir, cfg, device, world: World, dtype, backend) -> Policy:
+    """Each rank reads the checkpoint on its CPU; fully_shard moves each layer's shard to its GPU."""
+    from weights_vllm_compat import load_model
+
+    from torchtitan_compat import select_backend
+
+    model = load_model(model_dir, device="cpu", dtype=torch.float32, backend=backend)
+    model.backend = select_backend(backend, device)  # the GPU's kernels, not the CPU's
+    model.activation_checkpointing = bool(cfg.activation_checkpointing)
+    ref = None
+    if cfg.kl_coef > 0:
+        ref = shard_model(copy.deepcopy(model).to(dtype).requires_grad_(False), world, dtype)
+    model = shard_model(model, world, dtype)
+    masters = dict(model.named_parameters())
+    return Policy(masters, model, ref, build_adamw(masters, cfg.lr, cfg.weight_decay), world, dtype)
+
+
+def build_policy_and_engine(model_dir: Path, cfg: TrainConfig, device: torch.device, world: World | None = None,
+                            lora=None):
+    """(policy, engine): full fine-tuning (fp32 masters, a compute copy, the engine's own copy), or
+    with `lora` (spirl.lora.LoRAInit) a LoRA policy sharing the engine's weights."""
+    world = world or World(device=device)
+    if lora is not None:
+        from .lora import build_lora_policy_and_engine
+
+        return build_lora_policy_and_engine(model_dir, cfg, device, world, lora)
+    policy = build_policy(model_dir, cfg, device, world)
+    return policy, build_engine(cfg, model_dir, policy)
+
+
+def build_engine(cfg: TrainConfig, model_dir: Path, policy: Policy | None, **engine_settings):
+    """The rollout engine: native (on the policy's model) or vLLM (`engine_settings` go to
+    VLLMEngineConfig, e.g. LoRA's placeholder weights)."""
+    if cfg.engine == "native":
+        from .engines.native_engine import NativeEngine
+
+        model = policy.model
+        if policy.world.sharded:  # the engine decodes on its own whole copy (weights synced into it)
+            from weights_vllm_compat import load_model
+
+            model = load_model(model_dir, device=policy.world.device, dtype=policy.compute_dtype,
+                               backend="reference").requires_grad_(False)
+        return NativeEngine(model, EOS_IDS, logprobs=cfg.logprobs)
+    from .engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngine, VLLMEngineConfig
+
+    return VLLMEngine(VLLMEngineConfig(
+        str(model_dir), seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_model_len=cfg.max_model_len, cuda_graphs="none" if cfg.eager else "full_decode_only",
+        logprobs_mode=VLLM_LOGPROBS_MODE[cfg.logprobs],
+        sleep_between_rollouts=bool(cfg.vllm_sleep),
+        external_launcher=policy is not None and policy.world.sharded, **engine_settings))
+
+
+def sync_weights(engine, policy: Policy, cfg: TrainConfig) -> None:
+    """Load the compute model's tensors (the trainer's exact forward weights) into the engine;
+    sharded: gathered whole one layer at a time, on every rank, into that rank's engine."""
+    import weights_vllm_compat
+
+    if policy.engine_shares_weights:  # the merge after the optimizer step wrote the engine's tensors
+        return
+    if policy.world.sharded:
+        groups = gathered_weight_groups(policy.model, policy.compute_dtype)
+    else:
+        groups = [{k: v.detach() for k, v in policy.model.named_parameters()}]
+    for group in groups:
+        if cfg.engine == "native":
+            engine.load_weights(group.items())
+        else:
+            engine.load_weights(weights_vllm_compat.compat_part_to_hf(group, policy.model.args))
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+
+def _shard_rows(policy: Policy):
+    """For ckpt.load: the rows of each saved tensor this rank holds (None: all of it)."""
+    from .distributed import local_rows
+
+    params = list(policy.masters.values())
+
+    def rows(key: str):
+        head, _, name = key.partition(".")
+        if head.isdigit() and name:  # optimizer state "<param index>.<name>"; `step` is a scalar
+            return None if name == "step" or int(head) >= len(params) else local_rows(params[int(head)])
+        return local_rows(policy.masters[key]) if key in policy.masters else None
+    return rows
+
+
+def resume_into(policy: Policy, path: str, device) -> int:
+    """Load a checkpoint (masters or adapters, AdamW state, RNG states) into `policy` and push the
+    masters into the model; returns the checkpoint's step. Bit-exact: a resumed run repeats the
+    uninterrupted one."""
+    from .distributed import like, local
+
+    sharded = policy.world.sharded
+    state, masters, opt_state = ckpt.load(path, device, _shard_rows(policy) if sharded else None)
+    d = ckpt.resolve(path)
+    with torch.no_grad():
+        for name, p in policy.masters.items():
+            if name not in masters or masters[name].shape != local(p).shape:
+                raise ckpt.CheckpointError(f"--resume {d}: {name} does not match the model; resume with the "
+                                           "--model that run used")
+            local(p).copy_(masters[name])
+    if sharded:  # the optimizer's state tensors are sharded like their parameters
+        params = [p for group in policy.optimizer.param_groups for p in group["params"]]
+        for i, st in opt_state["state"].items():
+            if i < len(params):
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if k in st and st[k].shape == local(params[i]).shape:
+                        st[k] = like(st[k], params[i])
+    try:
+        policy.optimizer.load_state_dict(opt_state)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise ckpt.CheckpointError(f"--resume {d}: its optimizer state does not fit this run "
+                                   f"({' '.join(str(e).split())}); pass another checkpoint") from None
+    for group in policy.optimizer.param_groups:
+        for p in group["params"]:
+            for k in ("exp_avg", "exp_avg_sq"):
+                t = policy.optimizer.state.get(p, {}).get(k)
+                if t is not None and local(t).shape != local(p).shape:
+                    raise ckpt.CheckpointError(f"--resume {d}: its optimizer state has shape {list(t.shape)} for a "
+                                               f"parameter of shape {list(p.shape)}; pass another checkpoint")
+    policy.push_masters_to_model()
+    ckpt.restore_rng(state)
+    log.info("resumed from %s at step %d", d, state["step"])
+    return int(state["step"])

@@ -1,0 +1,214 @@
+"""LoRA adapters on disk in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`.
+
+What PEFT's `PeftModel.from_pretrained` (on transformers' Qwen3) and vLLM's `LoRARequest` read:
+tensors named by the Hugging Face module they adapt,
+
+    base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight
+    base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
+    base_model.model.lm_head.lora_{A,B}.weight
+
+with A [r, in_features] and B [out_features, r], and the config written and parsed by peft's own
+`LoraConfig`. Inside the model (torchtitan_compat.lora) the same tensors are the parameters
+`layers.{i}.attention.qkv_proj.lora_A.q_proj`, ..., `output.lora_B.lm_head`.
+
+Reading refuses, in one line, what the model cannot compute exactly: DoRA, biases, per-module
+ranks or alphas, modules saved whole, layer subsets, adapters whose shapes belong to another base.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from .lora import GROUPS, TARGETS, LoRAError, LoRASpec, check_spec, target_shapes
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_OUR_PATH = {"q_proj": "attention.qkv_proj", "k_proj": "attention.qkv_proj", "v_proj": "attention.qkv_proj",
+             "o_proj": "attention.o_proj", "gate_proj": "feed_forward.gate_up_proj",
+             "up_proj": "feed_forward.gate_up_proj", "down_proj": "feed_forward.down_proj"}
+
+
+def hf_module(target: str, layer: int | None) -> str:
+    """The Hugging Face Qwen3ForCausalLM module a target names (`model.layers.3.self_attn.q_proj`)."""
+    return "lm_head" if target == "lm_head" else f"model.layers.{layer}.{_HF_PARENT[target]}.{target}"
+
+
+def param_name(target: str, layer: int | None, which: str) -> str:
+    """Our model's parameter for adapter `which` ('A' or 'B') of `target` in `layer`."""
+    if target == "lm_head":
+        return f"output.lora_{which}.lm_head"
+    return f"layers.{layer}.{_OUR_PATH[target]}.lora_{which}.{target}"
+
+
+_PARAM = re.compile(r"^(?:layers\.(\d+)\.[a-z_]+\.[a-z_]+|output)\.lora_([AB])\.([a-z_]+)$")
+
+
+def peft_key(name: str) -> str:
+    """Our parameter name -> the tensor name in adapter_model.safetensors."""
+    m = _PARAM.match(name)
+    if not m:
+        raise LoRAError(f"{name!r} is not a LoRA parameter of this model")
+    layer, which, target = m.groups()
+    return f"base_model.model.{hf_module(target, None if layer is None else int(layer))}.lora_{which}.weight"
+
+
+_PEFT_KEY = re.compile(r"^base_model\.model\.(?:model\.layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)|(lm_head))"
+                       r"\.lora_([AB])\.weight$")
+
+
+def param_of_peft_key(key: str) -> str | None:
+    """The tensor name in adapter_model.safetensors -> our parameter name (None if it is not one)."""
+    m = _PEFT_KEY.match(key)
+    if not m:
+        return None
+    layer, target, head, which = m.groups()
+    target = head or target
+    if target not in TARGETS:
+        return None
+    return param_name(target, None if layer is None else int(layer), which)
+
+
+def expected_params(spec: LoRASpec, args) -> dict[str, tuple[int, int]]:
+    """Our parameter names -> shapes of every adapter tensor of `spec` on a model of `args`."""
+    shapes = target_shapes(args)
+    out = {}
+    for i in range(args.n_layers):
+        for t in spec.targets:
+            if t != "lm_head":
+                out[param_name(t, i, "A")] = (spec.rank, shapes[t][1])
+                out[param_name(t, i, "B")] = (shapes[t][0], spec.rank)
+    if "lm_head" in spec.targets:
+        out[param_name("lm_head", None, "A")] = (spec.rank, shapes["lm_head"][1])
+        out[param_name("lm_head", None, "B")] = (shapes["lm_head"][0], spec.rank)
+    return out
+
+
+def write_adapter(out_dir: str | Path, params: dict[str, torch.Tensor], spec: LoRASpec, base_model: str = "",
+                  metadata: dict[str, str] | None = None) -> Path:
+    """Write `params` (our names -> A/B tensors, saved in float32) as a PEFT adapter in `out_dir`
+    (which must exist; callers write into a temporary directory and rename it). The config is
+    peft's `LoraConfig(...).save_pretrained`; `metadata` goes into the safetensors header (PEFT
+    and vLLM ignore it; spirl records the base model's fingerprint there)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=0.0, bias="none",
+               use_rslora=spec.use_rslora, task_type="CAUSAL_LM", base_model_name_or_path=base_model or None,
+               inference_mode=True).save_pretrained(str(out))
+    save_file({peft_key(k): v.detach().float().cpu().contiguous() for k, v in params.items()},
+              str(out / WEIGHTS_FILE), metadata={"format": "pt", **(metadata or {})})
+    return out
+
+
+class AdapterError(LoRAError):
+    """An adapter directory that cannot be used with this model; one line saying why."""
+
+
+def _refuse(adapter_dir: Path, what: str) -> AdapterError:
+    return AdapterError(f"adapter {adapter_dir}: {what}")
+
+
+def read_config(adapter_dir: str | Path, args) -> LoRASpec:
+    """The LoRASpec of a PEFT adapter directory for a model of `args`, parsed by peft's LoraConfig
+    and matched against Qwen3's modules by peft's own target matching; unsupported settings refused."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    d = Path(adapter_dir)
+    if not (d / CONFIG_FILE).is_file():
+        raise _refuse(d, f"no {CONFIG_FILE}: pass a PEFT LoRA adapter directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
+    try:
+        raw = json.loads((d / CONFIG_FILE).read_text())
+        cfg = LoraConfig.from_pretrained(str(d))
+    except Exception as e:  # noqa: BLE001 - json and peft raise many kinds on a bad file
+        raise _refuse(d, f"{CONFIG_FILE} cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]})") \
+            from None
+    if str(raw.get("peft_type", "LORA")).upper() != "LORA":
+        raise _refuse(d, f"peft_type {raw.get('peft_type')!r} is not LORA")
+    unsupported = [
+        (getattr(cfg, "use_dora", False), "DoRA (use_dora)"),
+        (cfg.bias != "none", f"bias={cfg.bias!r} (only 'none')"),
+        (getattr(cfg, "lora_bias", False), "lora_bias"),
+        (bool(cfg.modules_to_save), f"modules_to_save={cfg.modules_to_save}"),
+        (bool(cfg.rank_pattern), "per-module ranks (rank_pattern)"),
+        (bool(cfg.alpha_pattern), "per-module alphas (alpha_pattern)"),
+        (cfg.layers_to_transform is not None, "a layer subset (layers_to_transform)"),
+        (cfg.fan_in_fan_out, "fan_in_fan_out"),
+        (bool(getattr(cfg, "target_parameters", None)), "target_parameters"),
+        (bool(getattr(cfg, "trainable_token_indices", None)), "trainable_token_indices"),
+    ]
+    bad = [what for flag, what in unsupported if flag]
+    if bad:
+        raise _refuse(d, f"uses {', '.join(bad)}, which SPIRL's LoRA does not compute; use a plain LoRA adapter")
+    if cfg.lora_dropout:
+        log.warning("adapter %s: lora_dropout %g is not applied (SPIRL trains LoRA without dropout: dropout would "
+                    "make the trained forward differ from the sampler's)", d, cfg.lora_dropout)
+    if cfg.target_modules == "all-linear":
+        targets = GROUPS["all-linear"]
+    else:
+        targets = tuple(t for t in TARGETS
+                        if any(check_target_module_exists(cfg, hf_module(t, i)) for i in
+                               ([None] if t == "lm_head" else range(args.n_layers))))
+        partial = [t for t in targets if t != "lm_head" and not all(
+            check_target_module_exists(cfg, hf_module(t, i)) for i in range(args.n_layers))]
+        if partial:
+            raise _refuse(d, f"adapts {', '.join(partial)} in only some layers; SPIRL adapts a module in every layer")
+    if not targets:
+        raise _refuse(d, f"target_modules={cfg.target_modules!r} matches no linear layer of Qwen3 "
+                         f"({', '.join(TARGETS)})")
+    spec = LoRASpec(rank=int(cfg.r), alpha=float(cfg.lora_alpha), targets=targets, use_rslora=bool(cfg.use_rslora))
+    try:
+        check_spec(spec, args)
+    except LoRAError as e:
+        raise _refuse(d, str(e)) from None
+    return spec
+
+
+def read_adapter(adapter_dir: str | Path, args) -> tuple[LoRASpec, dict[str, torch.Tensor], dict[str, str]]:
+    """(spec, our parameter name -> float32 tensor, safetensors metadata) of a PEFT adapter for a
+    model of `args`. Every tensor must be an A or B of a targeted module, with this model's shapes."""
+    from safetensors import SafetensorError, safe_open
+
+    d = Path(adapter_dir)
+    spec = read_config(d, args)
+    path = d / WEIGHTS_FILE
+    if not path.is_file():
+        other = "adapter_model.bin is there, but only safetensors are read" if (d / "adapter_model.bin").is_file() \
+            else "it is missing"
+        raise _refuse(d, f"{WEIGHTS_FILE}: {other}")
+    try:
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise _refuse(d, f"{WEIGHTS_FILE} is not readable ({' '.join(str(e).split())})") from None
+    expected = expected_params(spec, args)
+    by_key = {peft_key(name): name for name in expected}
+    unknown = sorted(k for k in tensors if k not in by_key)
+    if unknown:
+        raise _refuse(d, f"{len(unknown)} tensor(s) are not LoRA A/B weights of its target modules "
+                         f"({', '.join(spec.targets)}) on this model, e.g. {unknown[0]}; was it made for another "
+                         "base model?")
+    missing = sorted(k for k in by_key if k not in tensors)
+    if missing:
+        raise _refuse(d, f"{len(missing)} LoRA tensor(s) of its target modules are missing, e.g. {missing[0]}")
+    params = {}
+    for key, name in by_key.items():
+        t = tensors[key]
+        if tuple(t.shape) != expected[name]:
+            raise _refuse(d, f"{key} has shape {list(t.shape)} but this base model needs {list(expected[name])} "
+                             f"(rank {spec.rank}): the adapter was made for another base model")
+        if not t.is_floating_point():
+            raise _refuse(d, f"{key} has dtype {t.dtype}, not a floating-point tensor")
+        params[name] = t.float()
+    return spec, params, metadata
