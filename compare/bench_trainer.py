@@ -24,7 +24,8 @@ bf16 parameters. Shapes: BxS (B sequences of S tokens) or mixedN (N sequences, l
                 flex    [1, T] packed, block_causal BlockMask (compiled flex_attention; no CPU backward)
               auto: sdpa for equal lengths; for mixed lengths varlen on CUDA (padded sdpa if varlen
               fails), padded sdpa on CPU. Masks come from torchtitan's get_attention_masks (an
-              end-of-document marker closes each sequence); positions restart per sequence.
+              end-of-document marker closes each sequence; flex: its mask mods, built on the
+              batch's device); positions restart per sequence.
               Head: with `model.output = None` torchtitan's forward returns the final hidden states;
               lm_head runs on the predicting rows only (as ours) and the logprob is torchtitan's loss
               math (float32 logits, cross-entropy) in row chunks of ours' size
@@ -238,8 +239,25 @@ def tt_batch(model, seqs, attn: str, device):
     labels = torch.tensor([t for s in seqs for t in s[1:] + [-100]])[None]
     ends = torch.zeros_like(tokens)
     ends[0, torch.tensor([len(s) for s in seqs]).cumsum(0) - 1] = 1
-    masks = model.get_attention_masks(ends.to(device), SimpleNamespace(eos_id=1))
+    ends = ends.to(device)
+    masks = flex_block_causal_mask(ends) if attn == "flex" else \
+        model.get_attention_masks(ends, SimpleNamespace(eos_id=1))
     return tokens.to(device), masks, positions.to(device), labels.to(device)
+
+
+def flex_block_causal_mask(ends):
+    """torchtitan 0.2.2's block_causal BlockMask (Qwen3Model._get_flex_attention_masks: causal and
+    same-document, a 1 in `ends` closing each document), built on the device of `ends`.
+
+    torchtitan calls create_block_mask without a device, and torch's default is the accelerator the
+    wheel was built for (torch.accelerator.current_accelerator(), no runtime check): cuda in a CUDA
+    wheel even on a machine without a GPU, so there the compiled mask build mixed cuda and cpu
+    tensors ("Tensor device mismatch ... cuda:0 and cpu")."""
+    from torch.nn.attention.flex_attention import and_masks
+    from torchtitan.models.attention import create_attention_mask, get_causal_mask_mod, get_document_mask_mod
+
+    mask_mod = and_masks(get_causal_mask_mod(), get_document_mask_mod(ends, 1))
+    return create_attention_mask(mask_mod, ends.shape[0], None, ends.shape[1], ends.shape[1], device=ends.device)
 
 
 def tt_runner(model, batch, chunk_rows: int):

@@ -75,6 +75,22 @@ def test_packed_block_causal_layout_agrees_and_a_failing_pass_is_reported(small_
     assert "logprob agreement (ours vs torchtitan, all shapes): PASS" in r.stdout
 
 
+def test_flex_mask_is_built_on_the_batch_device_where_the_wheel_reports_cuda(monkeypatch):
+    """A CUDA wheel on a machine without a GPU reports torch.accelerator.current_accelerator() as
+    cuda, create_block_mask's default device: torchtitan 0.2.2's own flex mask build then fails on
+    the CPU ("Tensor device mismatch ... cuda:0 and cpu"). The bench builds torchtitan's block_causal
+    mask on the batch's device: causal within each sequence, nothing across sequences."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    _, mask, positions, _ = bench_trainer.tt_batch(None, [[5, 6, 7], [8, 9, 10, 11]], "flex", torch.device("cpu"))
+    assert mask.kv_num_blocks.device == torch.device("cpu")
+    doc = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    q, kv = torch.arange(7)[:, None], torch.arange(7)[None]
+    assert torch.equal(create_mask(mask.mask_mod, 1, 1, 7, 7, device="cpu")[0, 0], (kv <= q) & (doc[q] == doc[kv]))
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 2, 3]]
+
+
 def test_shapes_flops_and_argument_errors(capsys):
     from compare.bench_attention_backward import batch_lengths as attention_bench_lengths
 
