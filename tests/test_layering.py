@@ -2,10 +2,14 @@
 
 Layer of each top-level name (a module may import its own layer or any layer below, never above):
     0  kernels/, batch_invariant_backward.py   kernels and their autograd wrappers
-    1  torchtitan_compat/                        the model, its config, kernel backends, tokenizer
+    1  torchtitan_compat/                        the model, its config, kernel backends, tokenizer, LoRA
     2  weights.py, weights_vllm_compat.py        checkpoints and layouts
-    3  spirl/                                    the trainer, engines, tasks
+    3  spirl/                                    the product (its own groups below)
     4  compare/, simple_rl.py                    verification scripts and the entry point
+
+Inside spirl/ (spirl/__init__.py): the core (policy, LoRA, optimizer, parity, checkpoints, weight sync,
+memory plan) and the engines; the tasks; then the clients of the core, which never import each
+other: the loops (GRPO: trainer, run, evaluation; the warm start) and the API (spirl/tinker).
 """
 
 from __future__ import annotations
@@ -54,3 +58,59 @@ def test_every_project_package_has_a_layer():
     tops = {p.name.removesuffix(".py") for p in ROOT.iterdir()
             if (p.suffix == ".py" or (p / "__init__.py").is_file()) and p.name not in ("tests",)}
     assert tops <= set(LAYERS), f"give these a layer in tests/test_layering.py: {sorted(tops - set(LAYERS))}"
+
+
+SPIRL_GROUPS = {
+    "core": {"config", "errors", "distributed", "metrics", "optim", "checkpoint", "parity", "localize", "memory_plan",
+             "preflight", "policy", "lora", "vllm_patches", "trajectory", "chat_format", "multiturn", "engines"},
+    "tasks": {"tasks", "calculator"},
+    "loops": {"trainer", "run", "evaluation", "warmstart", "retokenization", "loss"},
+    "api": {"tinker"},
+}
+MAY_IMPORT = {"core": {"core"}, "tasks": {"core", "tasks"}, "loops": {"core", "tasks", "loops"},
+              "api": {"core", "tasks", "api"}}
+
+
+def _spirl_group(name: str) -> str:
+    top = name.split(".")[0]
+    return next(g for g, members in SPIRL_GROUPS.items() if top in members)
+
+
+def _spirl_imports(path: Path) -> set[str]:
+    """spirl modules `path` imports (relative or absolute), as names inside spirl (`engines.base`)."""
+    here = path.relative_to(ROOT / "spirl").with_suffix("").parts
+    package = here[:-1] if here[-1] != "__init__" else here[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(package[:len(package) - node.level + 1])
+                mod = ".".join(base + ([node.module] if node.module else []))
+                names = [mod] if node.module else [".".join(base + [a.name]) for a in node.names]
+            elif node.module and node.module.split(".")[0] == "spirl":
+                names = [node.module.removeprefix("spirl").lstrip(".")] or []
+                if not names[0]:
+                    names = [a.name for a in node.names]
+            else:
+                continue
+            out |= {n for n in names if n}
+        elif isinstance(node, ast.Import):
+            out |= {a.name.removeprefix("spirl.") for a in node.names if a.name.startswith("spirl.")}
+    return out
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "spirl").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_spirl_groups_import_one_way(path):
+    parts = path.relative_to(ROOT / "spirl").with_suffix("").parts
+    if parts == ("__init__",):
+        return
+    mine = _spirl_group(parts[0])
+    bad = sorted(n for n in _spirl_imports(path) if _spirl_group(n) not in MAY_IMPORT[mine])
+    assert not bad, f"{path.relative_to(ROOT)} ({mine}) imports {bad}: {mine} may import only {sorted(MAY_IMPORT[mine])}"
+
+
+def test_every_spirl_module_has_a_group():
+    names = {p.relative_to(ROOT / "spirl").parts[0].removesuffix(".py") for p in (ROOT / "spirl").iterdir()
+             if p.suffix == ".py" or (p / "__init__.py").is_file()} - {"__init__"}
+    grouped = set().union(*SPIRL_GROUPS.values())
+    assert names <= grouped, f"give these a group in tests/test_layering.py: {sorted(names - grouped)}"

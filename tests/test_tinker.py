@@ -78,7 +78,7 @@ def test_loss_matches_its_documented_formula(name, cfg):
     ours = losses.loss(name, lp, {"logprobs": old64.float(), "advantages": adv64.float(), "weights": w64.float()}, full)
     ours.backward()
     ref = _reference(name, lp64.tolist(), old64.tolist(), adv64.tolist(), w64.tolist(), full)
-    assert abs(float(ours) - ref) <= 1e-5 * max(1.0, abs(ref))
+    assert abs(ours.item() - ref) <= 1e-5 * max(1.0, abs(ref))
     # the gradient: central differences of the float64 reference (smooth away from clip boundaries)
     eps = 1e-6
     num = torch.tensor([(_reference(name, (lp64 + eps * torch.eye(n, dtype=torch.float64)[t]).tolist(), old64.tolist(),

@@ -54,6 +54,7 @@ class Request:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a completion (kept as its last token), besides the model's EOS tokens."""

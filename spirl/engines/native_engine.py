@@ -71,12 +71,12 @@ class NativeEngine:
         out = []
         for r in requests:
             gen = torch.Generator(device=self.device).manual_seed(0 if r.seed is None else r.seed)
-            pick = dict(temperature=r.temperature, min_p=0.0, top_k=r.top_k, top_p=r.top_p) if r.temperature > 0 \
+            pick = dict(temperature=r.temperature, min_p=r.min_p, top_k=r.top_k, top_p=r.top_p) if r.temperature > 0 \
                 else {"greedy": True}
             stops = set(r.stop_token_ids) | (set() if r.ignore_eos else self.eos_ids)
             group = [Sample(list(r.prompt), c, torch.empty(0), reason)
                      for c, reason in self._sample_group(list(r.prompt), r.n, r.max_tokens, pick, gen, stops)]
-            out.append(self.rescore(group, r.temperature))
+            out.append(self.rescore(group, r.temperature, r.min_p))
         return out
 
     @torch.no_grad()

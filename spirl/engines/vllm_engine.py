@@ -184,18 +184,12 @@ class VLLMEngine:
                  min_p: float = 0.0, top_k: int = -1, top_p: float = 1.0) -> list[Sample]:
         """n samples per prompt, prompt-major. `seed`: one sampling seed for the call, or one per
         prompt (multi-turn rollouts give each episode's turn its own)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        self.wake_up()
         seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=s,
-                                 min_p=min_p, top_k=top_k, top_p=top_p) for s in seeds]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                    params, use_tqdm=False)
-        return [_to_sample(list(p), c) for p, out in zip(prompts, outputs) for c in out.outputs]
+        requests = [Request(list(p), n=n, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=s, min_p=min_p) for p, s in zip(prompts, seeds)]
+        return [smp for group in self.sample(requests) for smp in group]
 
     def sample(self, requests: list[Request]) -> list[list[Sample]]:
         """Each request's n samples (its own settings), all in one engine call; logprobs as the
@@ -205,7 +199,7 @@ class VLLMEngine:
 
         self.wake_up()
         params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, logprobs=0, seed=r.seed,
-                                 top_k=r.top_k, top_p=r.top_p, stop_token_ids=list(r.stop_token_ids),
+                                 min_p=r.min_p, top_k=r.top_k, top_p=r.top_p, stop_token_ids=list(r.stop_token_ids),
                                  ignore_eos=r.ignore_eos) for r in requests]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests], params,
                                     use_tqdm=False)

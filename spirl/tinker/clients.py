@@ -61,9 +61,9 @@ def local_path(path: str, root: str | None = None) -> Path:
     """tinker://<run>/<kind>/<name> -> <SPIRL_TINKER_DIR>/<run>/<kind>/<name> (a local directory is itself)."""
     if not path.startswith("tinker://"):
         return Path(path)
-    parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
-    kind = {"training": "weights", "sampler": "sampler_weights"}.get(parsed.checkpoint_type, parsed.checkpoint_type)
-    return Path(root or BackendConfig.from_env().root) / parsed.training_run_id / kind / parsed.checkpoint_id
+    types.ParsedCheckpointTinkerPath.from_tinker_path(path)  # the SDK's check of the form: run/kind/name
+    run, kind, name = path.removeprefix("tinker://").split("/")
+    return Path(root or BackendConfig.from_env().root) / run / kind / name
 
 
 def _session(base_model: str, lora, seed: int | None) -> Session:
