@@ -240,3 +240,17 @@ def test_api_errors_are_one_line(api, tiny_ckpt, tmp_path):
         svc.create_sampling_client(base_model=str(tmp_path / "other"))
     with pytest.raises(losses.LossError, match="not computed"):
         client.forward_backward([], "gspo").result()
+
+
+def test_default_lora_client_on_a_tied_model_trains_the_head(api, qwen06_2layer_ckpt):
+    """The cookbook's call (the SDK's defaults: train_unembed=True) on a Qwen3 that ties its embeddings:
+    lm_head gets its own weight, trains, and parity holds; the input embedding stays the base's."""
+    client = api.ServiceClient().create_lora_training_client(str(qwen06_2layer_ckpt), rank=2).result()
+    model = client._s.model
+    assert model.args.enable_weight_tying and model.output is not None
+    embedding = model.tok_embeddings.weight.detach().clone()
+    out = _step(client, client.get_tokenizer(), 0)
+    assert out.metrics["parity/tokens_compared:sum"] > 0 and out.metrics["parity/tokens_different:sum"] == 0
+    assert client._s.policy.masters["output.lora_B.lm_head"].abs().max() > 0
+    assert torch.equal(model.tok_embeddings.weight, embedding)
+    assert not torch.equal(model.output.weight, embedding)
