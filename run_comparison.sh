@@ -4,7 +4,7 @@
 #   ./run_comparison.sh --model Qwen/Qwen3-0.6B --max-tokens 64 --samples 4 --batch 8 "Once upon a time"
 # Every option but the prompt is passed to compare/direct_forward.py (see --help there too).
 # Exit status 0 only on an exact bitwise match, 1 when logprobs differ; any other failure is one
-# line on stderr with the status of spirl/errors.py (2 arguments, 3 model, 4 environment, ...).
+# line on stderr with the status of spirl/core/errors.py (2 arguments, 3 model, 4 environment, ...).
 # --debug (or SPIRL_DEBUG=1) adds the traceback.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -4,8 +4,8 @@
     python simple_rl.py --engine native --model random:tiny --dtype float32 --task synthetic --steps 2  # CPU
     python simple_rl.py --help
 
-Config: spirl/config.py. Run: spirl/run.py; step: spirl/trainer.py. Logs: runs/<run-name>/ (tensorboard --logdir runs).
-Progress is logged on stdout; stderr gets only the one line of an error (exit statuses: spirl/errors.py),
+Config: spirl/core/config.py. Run: spirl/loops/run.py; step: spirl/loops/trainer.py. Logs: runs/<run-name>/ (tensorboard --logdir runs).
+Progress is logged on stdout; stderr gets only the one line of an error (exit statuses: spirl/core/errors.py),
 and a traceback only for a bug or with --debug 1 / SPIRL_DEBUG=1.
 """
 
@@ -15,22 +15,22 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spirl.config import parse_args
-    from spirl.errors import set_debug
+    from spirl.core.config import parse_args
+    from spirl.core.errors import set_debug
 
     cfg = parse_args(argv)
     if getattr(cfg, "debug", 0):
         set_debug(True)
-    from spirl.errors import log_to_stdout
+    from spirl.core.errors import log_to_stdout
 
     log_to_stdout("%(asctime)s %(name)s %(levelname)s %(message)s")
-    from spirl.run import train
+    from spirl.loops.run import train
 
     train(cfg)
     return 0
 
 
 if __name__ == "__main__":
-    from spirl.errors import run_cli
+    from spirl.core.errors import run_cli
 
     sys.exit(run_cli(main, debug_flag=False))

@@ -8,7 +8,7 @@
 Every checkpoint is validated against its own config.json before use: each expected tensor must
 be there with the shape the config implies, and nothing else may be. Problems raise `WeightsError`
 with one line saying what is wrong and what to do; the CLI prints that line and exits with status 1
-(2 for bad arguments, 6 for I/O errors; see spirl/errors.py), a traceback only with --debug.
+(2 for bad arguments, 6 for I/O errors; see spirl/core/errors.py), a traceback only with --debug.
 """
 
 from __future__ import annotations
@@ -484,7 +484,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# Exit statuses as in spirl/errors.py (weights.py sits below spirl in the import layering, so it
+# Exit statuses as in spirl/core/errors.py (weights.py sits below spirl in the import layering, so it
 # cannot import that module; tests/test_error_matrix.py checks that the shared numbers agree),
 # except that an unusable checkpoint keeps the status 1 this CLI has always had (spirl: 3).
 EXIT_CHECKPOINT, EXIT_USAGE, EXIT_IO, EXIT_BUG, EXIT_SIGINT = 1, 2, 6, 70, 130

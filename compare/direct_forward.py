@@ -72,14 +72,14 @@ def filler_prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def main(argv=None) -> int:
-    """Errors: one line on stderr and the exit status of spirl/errors.py (run through run_cli)."""
+    """Errors: one line on stderr and the exit status of spirl/core/errors.py (run through run_cli)."""
     args = parse_args(argv)
-    from spirl.errors import log_to_stdout
+    from spirl.core.errors import log_to_stdout
 
     log_to_stdout()
     import weights
-    from spirl.errors import require_batch_invariant, require_cuda, require_vllm
-    from spirl.preflight import load_checked_tokenizer, validate_model_dir
+    from spirl.core.errors import require_batch_invariant, require_cuda, require_vllm
+    from spirl.core.preflight import load_checked_tokenizer, validate_model_dir
 
     require_batch_invariant(" (./run_comparison.sh sets it for you)")
     require_vllm()
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         print(f"Tokens different: {report.tokens_different}")
         print(report.summary().split(" - ")[-1])
         if not report.bitwise_identical and args.localize:
-            from spirl.localize import localize_sample
+            from spirl.core.localize import localize_sample
 
             print(localize_sample(harness, samples[report.first_mismatch[0]].ids))
         return 0 if report.bitwise_identical else 1
@@ -114,6 +114,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from spirl.errors import run_cli
+    from spirl.core.errors import run_cli
 
     sys.exit(run_cli(main))

@@ -14,7 +14,7 @@ import torch
 
 from spirl.engines.base import Sample
 from spirl.engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngineConfig
-from spirl.parity import RAW, ParityReport, SamplingDist, compare_logprobs, logprob_dist, sampled_logprobs
+from spirl.core.parity import RAW, ParityReport, SamplingDist, compare_logprobs, logprob_dist, sampled_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 
 Stages, each its own process (vLLM reads its environment at import), each logged to <out>/*.log:
   1. weights.py --random small           a random Qwen3-shaped model (real tokenizer and vocabulary)
-  2. spirl.warmstart --task arith        supervised steps on a teacher that forgets carries
+  2. spirl.loops.warmstart --task arith        supervised steps on a teacher that forgets carries
                                          (--correct-share of its answers are right; see
                                          docs/learning-curve.md for why)
   3. simple_rl.py --task arith           GRPO with --eval-every: greedy accuracy on the 500
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     device = ["--device", a.device]
     stage("1_random_model", [py, "weights.py", "--random", a.shape, "--seed", str(a.seed),
                              "--out", str(models / "random")], a.out)
-    stage("2_warmstart", [py, "-m", "spirl.warmstart", "--task", "arith", "--model", str(models / "random"),
+    stage("2_warmstart", [py, "-m", "spirl.loops.warmstart", "--task", "arith", "--model", str(models / "random"),
                           "--out", str(models / "sft"), "--steps", str(a.sft_steps), "--batch", str(a.sft_batch),
                           "--lr", str(a.sft_lr), "--correct-share", str(a.correct_share), "--seed", str(a.seed),
                           *device], a.out)

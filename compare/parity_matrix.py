@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from compare.harness import OPS, HarnessConfig, ParityHarness  # noqa: E402
-from spirl.parity import compare_logprobs  # noqa: E402
+from spirl.core.parity import compare_logprobs  # noqa: E402
 
 
 def random_prompts(lengths, seed):
@@ -104,12 +104,12 @@ def main(argv=None) -> int:
     p.add_argument("--allow-batch-variant", action="store_true",
                    help="run without VLLM_BATCH_INVARIANT=1 (to show the check then fails)")
     args = p.parse_args(argv)
-    from spirl.errors import log_to_stdout
+    from spirl.core.errors import log_to_stdout
 
     log_to_stdout()
     import weights
-    from spirl.errors import require_batch_invariant, require_cuda, require_vllm
-    from spirl.preflight import validate_model_dir
+    from spirl.core.errors import require_batch_invariant, require_cuda, require_vllm
+    from spirl.core.preflight import validate_model_dir
 
     if not args.allow_batch_variant:
         require_batch_invariant(" (or pass --allow-batch-variant to show that the check then fails)")
@@ -135,6 +135,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from spirl.errors import run_cli
+    from spirl.core.errors import run_cli
 
     sys.exit(run_cli(main))

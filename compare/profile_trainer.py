@@ -36,7 +36,7 @@ def main(argv=None) -> int:
 
     import weights
     from spirl.engines.base import Sample
-    from spirl.parity import SamplingDist, sampled_logprobs_and_entropy
+    from spirl.core.parity import SamplingDist, sampled_logprobs_and_entropy
     from weights_vllm_compat import load_model
 
     ckpt = Path(tempfile.mkdtemp()) / "ckpt"

@@ -1,4 +1,4 @@
-"""CLI of the smoking-gun detector (spirl/retokenization.py): what naive retokenization would train on.
+"""CLI of the smoking-gun detector (spirl/loops/retokenization.py): what naive retokenization would train on.
 
     python compare/retokenization.py --rollouts runs/RUN/rollouts/step_000001.jsonl --model DIR
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import torch  # noqa: E402
 
-from spirl.retokenization import SMOKING_GUN_LOGPROB, DetectorSummary, DiffRegion, detect  # noqa: E402
+from spirl.loops.retokenization import SMOKING_GUN_LOGPROB, DetectorSummary, DiffRegion, detect  # noqa: E402
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -57,7 +57,7 @@ def format_summary(s: DetectorSummary, threshold: float) -> list[str]:
 
 def read_rollouts(path: Path):
     """(trajectories, prompt messages, tools) from a trainer rollouts file (one JSON per line)."""
-    from spirl.trajectory import Trajectory
+    from spirl.core.trajectory import Trajectory
 
     trajs, messages, tools = [], [], None
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -77,7 +77,7 @@ def read_rollouts(path: Path):
 
 
 def main(argv=None) -> int:
-    from spirl.config import OneLineParser
+    from spirl.core.config import OneLineParser
 
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rollouts", required=True, type=Path, help="a rollouts/step_*.jsonl file written by the trainer")
@@ -89,8 +89,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not args.rollouts.is_file():
         p.error(f"--rollouts {args.rollouts}: no such file")
-    from spirl.chat_format import ToolChatFormat
-    from spirl.preflight import load_checked_tokenizer, resolve_device, validate_model_dir
+    from spirl.core.chat_format import ToolChatFormat
+    from spirl.core.preflight import load_checked_tokenizer, resolve_device, validate_model_dir
     from weights_vllm_compat import load_model
 
     import weights
@@ -110,6 +110,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from spirl.errors import run_cli
+    from spirl.core.errors import run_cli
 
     raise SystemExit(run_cli(main))

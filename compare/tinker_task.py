@@ -35,7 +35,7 @@ IM_END = "<|im_end|>"
 
 
 def load_task(name: str, model_dir: str):
-    from spirl.preflight import load_checked_tokenizer
+    from spirl.core.preflight import load_checked_tokenizer
     from spirl.tasks import get_task
 
     return get_task(name, load_checked_tokenizer(Path(model_dir)))
@@ -68,14 +68,14 @@ class TaskGroup(EnvGroupBuilder):
 
 
 class TaskDataset(RLDataset):
-    """Batch i: prompts_per_step problems drawn as simple_rl.py draws step i + 1's (spirl.trainer.step_seed)."""
+    """Batch i: prompts_per_step problems drawn as simple_rl.py draws step i + 1's (spirl.loops.trainer.step_seed)."""
 
     def __init__(self, task, batches: int, prompts_per_step: int, group_size: int, seed: int, stop):
         self.task, self.batches, self.n, self.g, self.seed, self.stop = task, batches, prompts_per_step, group_size, \
             seed, stop
 
     def get_batch(self, index: int):
-        from spirl.trainer import step_seed
+        from spirl.loops.trainer import step_seed
 
         rng = random.Random(step_seed(self.seed, index + 1))
         return [TaskGroup(self.task, ids, meta, self.g, self.stop) for ids, meta in self.task.prompts(rng, self.n)]

@@ -123,7 +123,7 @@ def test_transformers_notices_go_to_stdout_not_stderr(capsys):
 
     from transformers.utils import logging as hf_logging
 
-    from spirl.errors import log_to_stdout
+    from spirl.core.errors import log_to_stdout
 
     root = logging.getLogger()
     saved = root.handlers[:]

@@ -152,8 +152,8 @@ def test_only_rank_zero_writes_logs(runs):
 
 
 def test_prompts_split_into_whole_groups_and_bad_splits_are_refused():
-    from spirl.config import ConfigError, TrainConfig
-    from spirl.distributed import World, check_distributed_config, shard_of
+    from spirl.core.config import ConfigError, TrainConfig
+    from spirl.core.distributed import World, check_distributed_config, shard_of
 
     items = list(range(8))
     assert [shard_of(items, World(rank=r, size=4, sharded=True)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -181,14 +181,14 @@ def test_weights_sync_in_parts_like_the_whole(qwen06_2layer_ckpt, tiny_ckpt):
 
 
 def test_sharded_memory_plan_divides_the_optimizer_state():
-    from spirl.config import TrainConfig
-    from spirl.memory_plan import estimate, param_count
+    from spirl.core.config import TrainConfig
+    from spirl.core.memory_plan import estimate, param_count
     from torchtitan_compat.config import hf_config_for_shape, model_args_from_hf_config
 
     args = model_args_from_hf_config(hf_config_for_shape("Qwen3-8B"))
     import batch_invariant_backward as bib
 
-    cfg, kw = TrainConfig(), dict(logits_chunk_elements=bib.LOGITS_CHUNK_ELEMENTS)  # as spirl.preflight passes
+    cfg, kw = TrainConfig(), dict(logits_chunk_elements=bib.LOGITS_CHUNK_ELEMENTS)  # as spirl.core.preflight passes
     h200 = 139 * 2**30
     one, two = estimate(args, cfg, h200, **kw), estimate(args, cfg, h200, shards=2, **kw)
     p = param_count(args)
@@ -200,7 +200,7 @@ def test_sharded_memory_plan_divides_the_optimizer_state():
 
 def _rank0_of_two(peer):
     """Rank 0 of a 2-rank World whose peer (rank 1) contributes `peer` to every gather."""
-    from spirl.distributed import World
+    from spirl.core.distributed import World
 
     class TwoRanks(World):
         def gather(self, obj):
@@ -215,7 +215,7 @@ def test_a_mismatch_on_another_rank_fails_this_rank_naming_it(tmp_path):
     from types import SimpleNamespace
 
     from spirl.engines.base import Sample
-    from spirl.parity import ParityError, check_parity
+    from spirl.core.parity import ParityError, check_parity
 
     s = Sample([1, 2], [3, 4], torch.tensor([-1.0, -2.0]))
     policy = SimpleNamespace(world=_rank0_of_two("tokens compared: 2, different: 1 (report: r1.json)"))
@@ -227,7 +227,7 @@ def test_a_mismatch_on_another_rank_fails_this_rank_naming_it(tmp_path):
 
 
 def test_an_error_on_one_rank_is_raised_on_every_rank():
-    from spirl.errors import EXIT_IO, UserError
+    from spirl.core.errors import EXIT_IO, UserError
 
     rank0 = _rank0_of_two((UserError, ("could not write checkpoint", EXIT_IO)))
     with pytest.raises(UserError, match="could not write checkpoint") as e:

@@ -1,5 +1,5 @@
 """The user's error path, run like a user runs it: each case is a subprocess of simple_rl.py,
-run_comparison.sh or a compare/ CLI, and must end with its exit status (spirl/errors.py), exactly
+run_comparison.sh or a compare/ CLI, and must end with its exit status (spirl/core/errors.py), exactly
 one non-empty stderr line matching the expected message, no traceback, and nothing lost (the
 previous checkpoint and the logs intact where a run had written them).
 
@@ -29,8 +29,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from spirl import checkpoint as ckpt
-from spirl import errors
+from spirl.core import checkpoint as ckpt
+from spirl.core import errors
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_STEP = ["--engine", "native", "--dtype", "float32", "--task", "synthetic", "--steps", "1",
@@ -84,7 +84,7 @@ torch.cuda.get_device_properties = lambda d=None: types.SimpleNamespace(total_me
     # the engine's logprob of one sampled token is one ulp off: parity breaks at step 1
     "parity_flip": '''
 import torch
-from spirl import policy
+from spirl.core import policy
 _real = policy.build_engine
 def _build(cfg, model_dir, policy):
     engine = _real(cfg, model_dir, policy)
@@ -98,7 +98,7 @@ def _build(cfg, model_dir, policy):
 policy.build_engine = _build
 ''',
     "nan_loss": '''
-from spirl import trainer
+from spirl.loops import trainer
 _real = trainer.grpo_loss
 def _nan(*a, **kw):
     loss, m = _real(*a, **kw)
@@ -107,7 +107,7 @@ trainer.grpo_loss = _nan
 ''',
     # a bug: not an expected error, so a traceback and status 70
     "bug": '''
-from spirl import trainer
+from spirl.loops import trainer
 def _run_step(*a, **kw):
     return {}["no such key"]
 trainer.run_step = _run_step
@@ -176,7 +176,7 @@ def bad_dirs(tiny: Path, root: Path) -> dict[str, Path]:
 
 def fake_checkpoints(tiny: Path, root: Path) -> dict[str, Path]:
     """--resume inputs: corrupt ones, one from another model, one from another reference model."""
-    from spirl.preflight import model_fingerprint, validate_model_dir
+    from spirl.core.preflight import model_fingerprint, validate_model_dir
     from weights_vllm_compat import expected_compat_shapes
 
     _, args = validate_model_dir(tiny)
@@ -503,7 +503,7 @@ def test_parity_matrix_cli(argv, env, code, pattern, tiny_ckpt, capsys, monkeypa
 
 def test_retokenization_and_warmstart_clis(tiny_ckpt, tmp_path, capsys):
     from compare.retokenization import main as retok_main
-    from spirl.warmstart import main as warmstart_main
+    from spirl.loops.warmstart import main as warmstart_main
 
     rollouts = tmp_path / "r.jsonl"
     rollouts.write_text("{}\n")

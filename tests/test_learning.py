@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from spirl.engines.base import Sample
-from spirl.evaluation import evaluate, require_eval_set
+from spirl.loops.evaluation import evaluate, require_eval_set
 from spirl.tasks import arith
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def test_evaluate_counts_greedy_accuracy_and_pass_at_k(task):
 
 
 def test_eval_every_refused_for_a_task_without_eval_set():
-    from spirl.config import ConfigError
+    from spirl.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="no held-out eval set"):
         require_eval_set(SimpleNamespace(name="synthetic"), SimpleNamespace(eval_every=5, task="synthetic"))
@@ -111,7 +111,7 @@ def test_native_greedy_is_the_argmax_of_the_trainer_forward(tiny_ckpt, task):
 
 @pytest.mark.parametrize("share, expect", [(0.0, "forgot"), (1.0, "right")])
 def test_arith_warmstart_teacher(task, share, expect):
-    from spirl.warmstart import arith_example
+    from spirl.loops.warmstart import arith_example
 
     rng = random.Random(1)
     for _ in range(50):

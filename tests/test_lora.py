@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import batch_invariant_backward as bib
-from spirl.config import TrainConfig
+from spirl.core.config import TrainConfig
 from torchtitan_compat import pack
 from torchtitan_compat.lora import LoRAError, LoRASpec, apply_lora, lora_modules, parse_targets
 from torchtitan_compat.ops import ReferenceBackend
@@ -273,7 +273,7 @@ def _cfg(tiny_ckpt, tmp: Path, **kw) -> TrainConfig:
 @pytest.fixture(scope="module")
 def lora_runs(tiny_ckpt, module_dir):
     """A 2-step LoRA run (KL on, 2 updates per batch) and one resumed from its step 1."""
-    from spirl.run import train
+    from spirl.loops.run import train
 
     full = train(_cfg(tiny_ckpt, module_dir))
     resumed = train(_cfg(tiny_ckpt, module_dir, run_name="resumed",
@@ -311,9 +311,9 @@ def test_lora_resume_matches_uninterrupted(lora_runs):
 
 
 def test_lora_init_starts_from_the_adapter(lora_runs, tiny_ckpt):
-    from spirl.lora import resolve_spec
-    from spirl.preflight import model_fingerprint
-    from spirl.policy import build_policy_and_engine
+    from spirl.core.lora import resolve_spec
+    from spirl.core.preflight import model_fingerprint
+    from spirl.core.policy import build_policy_and_engine
 
     tmp, _, _ = lora_runs
     adapter = tmp / "ckpt" / "full" / "step_000002"
@@ -332,7 +332,7 @@ def test_lora_init_starts_from_the_adapter(lora_runs, tiny_ckpt):
 
 
 def _plan(shape, gib, **kw):
-    from spirl import memory_plan
+    from spirl.core import memory_plan
     from torchtitan_compat.config import hf_config_for_shape, model_args_from_hf_config
 
     args = model_args_from_hf_config(hf_config_for_shape(shape))
@@ -355,8 +355,8 @@ def test_memory_plan_knows_lora():
 
 
 def test_memory_plan_suggests_lora_when_full_fine_tuning_cannot_fit():
-    from spirl import memory_plan
-    from spirl.errors import UserError
+    from spirl.core import memory_plan
+    from spirl.core.errors import UserError
     from torchtitan_compat.config import hf_config_for_shape, model_args_from_hf_config
 
     args = model_args_from_hf_config(hf_config_for_shape("Qwen3-8B"))
@@ -365,8 +365,8 @@ def test_memory_plan_suggests_lora_when_full_fine_tuning_cannot_fit():
 
 
 def test_memory_plan_refuses_a_vllm_share_too_small_for_the_weights():
-    from spirl import memory_plan
-    from spirl.errors import UserError
+    from spirl.core import memory_plan
+    from spirl.core.errors import UserError
     from torchtitan_compat.config import hf_config_for_shape, model_args_from_hf_config
 
     args = model_args_from_hf_config(hf_config_for_shape("Qwen3-14B"))

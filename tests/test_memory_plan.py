@@ -1,4 +1,4 @@
-"""spirl.memory_plan: the GPU memory estimate (by hand on a small shape, exact parameter counts), and
+"""spirl.core.memory_plan: the GPU memory estimate (by hand on a small shape, exact parameter counts), and
 the one-line refusals that name the flag to change. No GPU needed: the device's bytes are passed in."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from spirl import memory_plan as mp
-from spirl.config import TrainConfig
-from spirl.errors import EXIT_MEMORY, UserError
+from spirl.core import memory_plan as mp
+from spirl.core.config import TrainConfig
+from spirl.core.errors import EXIT_MEMORY, UserError
 from torchtitan_compat.config import hf_config_for_shape, model_args_from_hf_config
 
 GIB = 2**30

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from spirl.calculator import ToolError, evaluate, find_tool_call, run_tool_call
+from spirl.tasks.calculator_tool import ToolError, evaluate, find_tool_call, run_tool_call
 from spirl.engines.base import Sample
 from spirl.engines.native_engine import NativeEngine
-from spirl.multiturn import run_episodes
-from spirl.trajectory import Trajectory
+from spirl.core.multiturn import run_episodes
+from spirl.core.trajectory import Trajectory
 
 IM_END = 151645
 TOOL_RESPONSE = 151665
@@ -242,7 +242,7 @@ def crafted_trajectory(env, tok, pieces):
 
 @pytest.mark.parametrize("name, pieces, merged", CRAFTED, ids=[c[0] for c in CRAFTED])
 def test_detector_reports_each_crafted_retokenization(env, tok, model, name, pieces, merged):
-    from spirl.retokenization import detect
+    from spirl.loops.retokenization import detect
 
     t, meta, at = crafted_trajectory(env, tok, pieces)
     assert t.ids[at:at + len(pieces)] == pieces  # TI/TO keeps the sampled ids
@@ -263,7 +263,7 @@ def test_detector_scores_naive_tokens_under_the_model(env, tok, model):
     """naive_logprobs are log p(naive token | naive prefix); smoking guns count trained ones below
     the threshold (the random tiny model puts every token near -log(V) = -11.9, so the threshold is
     moved to show the counting)."""
-    from spirl.retokenization import detect, naive_retokenize
+    from spirl.loops.retokenization import detect, naive_retokenize
 
     t, meta, at = crafted_trajectory(env, tok, [220, 1])
     naive = naive_retokenize(t, meta["messages"], env.format)
@@ -280,7 +280,7 @@ def test_detector_scores_naive_tokens_under_the_model(env, tok, model):
 def test_detector_finds_template_drift_in_multi_turn_history(episodes, model, env):
     """A real template difference: the empty think block Qwen3's template puts in every generation
     prompt (thinking off) is dropped from earlier assistant turns when the history is re-rendered."""
-    from spirl.retokenization import detect
+    from spirl.loops.retokenization import detect
 
     prompt, meta, trajs, _ = episodes
     summary, regions = detect(trajs[:1], [meta["messages"]], env.format, model, "cpu")
@@ -294,7 +294,7 @@ def test_detector_finds_template_drift_in_multi_turn_history(episodes, model, en
 
 
 def _mt_cfg(ckpt, tmp: Path, **kw):
-    from spirl.config import TrainConfig
+    from spirl.core.config import TrainConfig
 
     base = dict(model=str(ckpt), engine="native", dtype="float32", device="cpu", task="calculator", steps=2,
                 prompts_per_step=1, group_size=4, max_new_tokens=64, max_turns=4, lr=1e-3,
@@ -304,7 +304,7 @@ def _mt_cfg(ckpt, tmp: Path, **kw):
 
 
 def _scripted(monkeypatch, tok, break_turn: int | None = None):
-    from spirl import policy
+    from spirl.core import policy
 
     def build(cfg, model_dir, policy):
         engine = ScriptedEngine(policy.model, tok)
@@ -328,7 +328,7 @@ def _scripted(monkeypatch, tok, break_turn: int | None = None):
 
 def test_multi_turn_grpo_steps_with_parity_over_every_turn(tiny_ckpt, tok, tmp_path, monkeypatch):
     from compare.retokenization import main as detector_main
-    from spirl.run import train
+    from spirl.loops.run import train
 
     _scripted(monkeypatch, tok)
     hist = train(_mt_cfg(tiny_ckpt, tmp_path))
@@ -348,7 +348,8 @@ def test_multi_turn_grpo_steps_with_parity_over_every_turn(tiny_ckpt, tok, tmp_p
 
 def test_multi_turn_parity_break_in_a_later_turn_is_caught(tiny_ckpt, tok, tmp_path, monkeypatch):
     """One ulp off in the *second* turn of one episode stops the run: parity covers every turn."""
-    from spirl import parity, run
+    from spirl.core import parity
+    from spirl.loops import run
 
     _scripted(monkeypatch, tok, break_turn=1)
     with pytest.raises(parity.ParityError, match="different: 1"):
@@ -358,10 +359,10 @@ def test_multi_turn_parity_break_in_a_later_turn_is_caught(tiny_ckpt, tok, tmp_p
 
 
 def test_warmstart_teaches_the_format_and_writes_a_loadable_checkpoint(tiny_ckpt, tmp_path):
-    """spirl.warmstart: the loss on scripted calculator episodes falls (seeded, so deterministic),
+    """spirl.loops.warmstart: the loss on scripted calculator episodes falls (seeded, so deterministic),
     and the written HF checkpoint loads with the new weights."""
     import weights
-    from spirl.warmstart import warmstart
+    from spirl.loops.warmstart import warmstart
 
     out = tmp_path / "taught"
     losses = warmstart(tiny_ckpt, out, steps=6, batch=2, lr=3e-3, seed=0, device=torch.device("cpu"))

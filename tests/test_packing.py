@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from spirl.engines.base import Sample
-from spirl.parity import pack_sampled
-from spirl.trajectory import Trajectory
+from spirl.core.parity import pack_sampled
+from spirl.core.trajectory import Trajectory
 from torchtitan_compat import pack
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spirl.config import TrainConfig
-from spirl.loss import grpo_advantages, grpo_loss
+from spirl.core.config import TrainConfig
+from spirl.loops.loss import grpo_advantages, grpo_loss
 
 REPO = Path(__file__).resolve().parents[1]
 LN2 = math.log(2.0)
@@ -97,7 +97,7 @@ def _cfg(tiny_ckpt, tmp: Path, **kw) -> TrainConfig:
 @pytest.fixture(scope="module")
 def two_runs(tiny_ckpt, module_dir):
     """An uninterrupted 2-step run, and a run resumed from its step-1 checkpoint."""
-    from spirl.run import train
+    from spirl.loops.run import train
 
     tmp = module_dir
     full_cfg = _cfg(tiny_ckpt, tmp)
@@ -148,7 +148,7 @@ def test_all_zero_advantages_skip_update(tiny_ckpt, tmp_path):
     """A task whose reward is constant gives no learning signal: logged, no optimizer step."""
     from spirl import tasks
     from spirl.tasks.synthetic import SyntheticTask
-    from spirl.run import train
+    from spirl.loops.run import train
 
     class Constant(SyntheticTask):
         def reward(self, completion_ids, meta):
@@ -161,7 +161,8 @@ def test_all_zero_advantages_skip_update(tiny_ckpt, tmp_path):
 
 def test_parity_break_stops_with_report_and_keeps_checkpoint(tiny_ckpt, tmp_path, monkeypatch):
     """One engine logprob off by one ulp: ParityError, a report file, no checkpoint written."""
-    from spirl import parity, policy, run
+    from spirl.core import parity, policy
+    from spirl.loops import run
 
     real = policy.build_engine
 
@@ -187,7 +188,7 @@ def test_parity_break_stops_with_report_and_keeps_checkpoint(tiny_ckpt, tmp_path
 
 
 def test_nan_loss_stops(tiny_ckpt, tmp_path, monkeypatch):
-    from spirl import run, trainer
+    from spirl.loops import run, trainer
 
     real = trainer.grpo_loss
     monkeypatch.setattr(trainer, "grpo_loss", lambda *a, **kw: (real(*a, **kw)[0] * float("nan"), real(*a, **kw)[1]))
@@ -222,7 +223,7 @@ def test_help_lists_field_docs():
 
 
 def test_every_field_has_a_docstring():
-    from spirl.config import field_docs
+    from spirl.core.config import field_docs
 
     assert set(field_docs(TrainConfig)) == {f.name for f in dataclasses.fields(TrainConfig)}
 

@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 
-from spirl.config import TrainConfig
+from spirl.core.config import TrainConfig
 
 from test_rl import _cfg
 
 
 def test_stepping_layer_groups_one_by_one_is_one_adamw_step():
-    from spirl.optim import build_adamw, step_with_deltas
+    from spirl.core.optim import build_adamw, step_with_deltas
 
     torch.manual_seed(0)
     shapes = {"tok_embeddings.weight": (11, 4), "layers.0.a.weight": (4, 4), "layers.0.b.weight": (4,),
@@ -47,7 +47,7 @@ def test_stepping_layer_groups_one_by_one_is_one_adamw_step():
 
 def test_activation_checkpointing_changes_no_gradient_bit(tiny_ckpt):
     from spirl.engines.base import Sample
-    from spirl.parity import SamplingDist, sampled_logprobs_and_entropy
+    from spirl.core.parity import SamplingDist, sampled_logprobs_and_entropy
     from weights_vllm_compat import load_model
 
     model = load_model(tiny_ckpt, device="cpu", dtype=torch.float32, backend="reference")
@@ -67,7 +67,7 @@ def test_activation_checkpointing_changes_no_gradient_bit(tiny_ckpt):
 
 
 def test_no_reference_model_without_kl(tiny_ckpt, tmp_path):
-    from spirl.policy import build_policy
+    from spirl.core.policy import build_policy
 
     assert build_policy(tiny_ckpt, _cfg(tiny_ckpt, tmp_path, kl_coef=0.0), torch.device("cpu")).ref is None
     assert build_policy(tiny_ckpt, _cfg(tiny_ckpt, tmp_path, kl_coef=0.1), torch.device("cpu")).ref is not None
@@ -77,7 +77,7 @@ def test_sampling_logprobs_are_of_the_distribution_that_sampled(tiny_ckpt, tmp_p
     """At T = 0.7 with min-p, `--logprobs sampling` compares and trains on log softmax(min_p(z / T)):
     parity holds on every token, the logged entropy is of that distribution, and `raw` gives the
     raw logits' logprobs for the same tokens instead."""
-    from spirl.run import train
+    from spirl.loops.run import train
 
     hist = train(_cfg(tiny_ckpt, tmp_path, temperature=0.7, min_p=0.05, steps=1, kl_coef=0.0, run_name="samp"))
     assert hist[0]["parity/tokens_different"] == 0 and hist[0]["parity/tokens_compared"] == 2 * 4 * 6
@@ -91,7 +91,7 @@ def test_sampling_logprobs_are_of_the_distribution_that_sampled(tiny_ckpt, tmp_p
 
 def test_engine_gets_the_configs_settings(tiny_ckpt, tmp_path, monkeypatch):
     import spirl.engines.vllm_engine as vllm_engine
-    from spirl import policy as trainer
+    from spirl.core import policy as trainer
 
     built = []
     monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda cfg: built.append(cfg) or cfg)
@@ -99,7 +99,7 @@ def test_engine_gets_the_configs_settings(tiny_ckpt, tmp_path, monkeypatch):
                       vllm_sleep=1, logprobs="raw").validate()
     from types import SimpleNamespace
 
-    from spirl.distributed import World
+    from spirl.core.distributed import World
 
     one, ranks = SimpleNamespace(world=World()), SimpleNamespace(world=World(size=2, sharded=True))
     trainer.build_engine(cfg, tiny_ckpt, policy=one)
@@ -130,9 +130,9 @@ def test_head_dims_vllm_cannot_serve_consistently_are_refused(tmp_path, head_dim
 
 
 def test_top_k_top_p_warn_that_training_is_off_policy(tiny_ckpt, tmp_path, caplog):
-    from spirl.run import train
+    from spirl.loops.run import train
 
-    with caplog.at_level("WARNING", logger="spirl.run"):
+    with caplog.at_level("WARNING", logger="spirl.loops.run"):
         hist = train(_cfg(tiny_ckpt, tmp_path, logprobs="raw", top_k=50, top_p=0.9, steps=1, max_new_tokens=2,
                           kl_coef=0.0, run_name="topk"))
     assert hist[0]["parity/tokens_different"] == 0

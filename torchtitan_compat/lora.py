@@ -1,7 +1,7 @@
 """LoRA on the vLLM-compatible Qwen3: low-rank adapters merged into the weights the model computes with.
 
 Each adapted projection keeps three things:
-    weight  W' = round(W + s B A)   what the forward multiplies by (frozen; spirl.lora makes it the
+    weight  W' = round(W + s B A)   what the forward multiplies by (frozen; spirl.core.lora makes it the
                                     rollout engine's own tensor, so both compute with one W')
     base    W                       the frozen base, rows of this projection (host or GPU memory)
     adapters A [r, in], B [out, r]  float32 parameters, trained; s = alpha / r (alpha / sqrt(r) rsLoRA)

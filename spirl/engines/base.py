@@ -4,7 +4,7 @@ The trainer works on *trainable sequences*: anything with
   ids        list[int]        the exact token ids the policy saw and produced, in order;
   loss_mask  list[bool]       True where the token was sampled by the policy (trained on);
   logprobs   float32 tensor   the engine's logprob of each masked-in token, in order.
-A single-turn `Sample` (prompt + completion) and a multi-turn `spirl.trajectory.Trajectory`
+A single-turn `Sample` (prompt + completion) and a multi-turn `spirl.core.trajectory.Trajectory`
 (prompt, then sampled turns and environment replies) both are one.
 """
 
@@ -24,7 +24,7 @@ class Sample:
     logprobs: torch.Tensor
     """float32 [len(completion_ids)]: the engine's log p(token | prefix) under the distribution
     its logprobs mode names: `sampling` = the one that sampled (logits / T, then min-p),
-    `raw` = the raw logits' (see spirl.parity.SamplingDist)."""
+    `raw` = the raw logits' (see spirl.core.parity.SamplingDist)."""
     finish_reason: str | None = None
 
     @property

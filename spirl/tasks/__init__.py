@@ -44,6 +44,8 @@ def get_task(name: str, tokenizer) -> Task:
         if e.name != f"{__name__}.{name}":
             raise
         raise TaskError(f"unknown task {name!r}; use arith, gsm8k, synthetic or add spirl/tasks/{name}.py") from None
+    if not callable(getattr(module, "make", None)):
+        raise TaskError(f"spirl/tasks/{name}.py is not a task (it has no make(tokenizer)); use arith, gsm8k, synthetic, calculator")
     return module.make(tokenizer)
 
 

@@ -2,7 +2,7 @@
 
 Problems: all 8,100 pairs 10 <= a, b <= 99, shuffled once with a fixed seed (independent of the
 run seed). The first EVAL_SIZE pairs are the held-out eval set (`eval_problems`); training
-prompts (and the supervised warm start, `spirl.warmstart --task arith`) draw only from the rest,
+prompts (and the supervised warm start, `spirl.loops.warmstart --task arith`) draw only from the rest,
 so an eval problem is never trained on.
 
 Reward: 1.0 if the completion's first integer is the sum; 0.1 if the completion starts with a

@@ -1,6 +1,6 @@
 """Multi-turn calculator environment: 'What is 347*29+18?' with a calculator tool.
 
-The policy may call the tool (Qwen3 format, see spirl.calculator) and gets its result as a tool
+The policy may call the tool (Qwen3 format, see spirl.tasks.calculator_tool) and gets its result as a tool
 reply; it ends the episode by writing `<answer>N</answer>`. A turn with a malformed call, or with
 neither a call nor an answer, gets an error message as the reply and the episode goes on (up to
 --max-turns). Reward: 1.0 if the episode ended with an answer equal to the expression's value,
@@ -14,10 +14,10 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from ..calculator import TOOL_SPEC, ToolError, find_tool_call, run_tool_call
-from ..chat_format import ToolChatFormat
-from ..multiturn import EnvReply, Meta
-from ..trajectory import Trajectory
+from ..core.chat_format import ToolChatFormat
+from ..core.multiturn import EnvReply, Meta
+from ..core.trajectory import Trajectory
+from .calculator_tool import TOOL_SPEC, ToolError, find_tool_call, run_tool_call
 
 POOL_SIZE = 512
 POOL_SEED = 4321

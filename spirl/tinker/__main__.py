@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    from ..errors import log_to_stdout
+    from ..core.errors import log_to_stdout
 
     log_to_stdout("%(asctime)s %(name)s %(levelname)s %(message)s")
     install()
@@ -66,6 +66,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from ..errors import run_cli
+    from ..core.errors import run_cli
 
     sys.exit(run_cli(main, sys.argv[1:], prog="spirl.tinker", debug_flag=False))

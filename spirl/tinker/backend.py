@@ -7,7 +7,7 @@ run as one engine call (the cookbook sends one `sample` per environment, all at 
 
 Weights versions. Version v is the policy after v optimizer steps (or a loaded state). A
 SamplingClient is pinned to the version it was made from; the engine (and, for LoRA, the model:
-they share tensors, spirl/lora.py) holds one version at a time, `activate(v)` switches: the
+they share tensors, spirl/core/lora.py) holds one version at a time, `activate(v)` switches: the
 current one from the masters, an older one from its snapshot (LoRA: a copy of the adapters;
 full fine-tuning: the bf16 weights in host memory), taken only while a sampler of it is alive.
 
@@ -17,7 +17,7 @@ sequence is remembered with its version; a datum whose tokens came from a sample
 version (found by its provenance spans, or by its whole token sequence) has each sampled token's
 trainer logprob compared with the sampler's, bit for bit, in the same forward that trains on it:
 `parity/tokens_compared:sum` and `parity/tokens_different:sum` in the metrics, and a mismatch raises
-spirl.parity.ParityError with the report simple_rl.py writes. Off-policy data is trained as given.
+spirl.core.parity.ParityError with the report simple_rl.py writes. Off-policy data is trained as given.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..engines.base import Request, Sample
-from ..parity import ParityError, check_parity
+from ..core.parity import ParityError, check_parity
 from . import losses
 
 log = logging.getLogger("spirl.tinker")
@@ -89,7 +89,7 @@ class Sampled:
 
 @dataclass
 class _Seq:
-    """A trainable sequence for spirl.parity.check_parity: the datum's tokens, its compared positions."""
+    """A trainable sequence for spirl.core.parity.check_parity: the datum's tokens, its compared positions."""
 
     ids: list[int]
     loss_mask: list[bool]
@@ -104,7 +104,7 @@ class Session:
     base_model: str
     model_dir: Path
     lora: object | None
-    """spirl.lora.LoRAInit of the training policy, None for full fine-tuning."""
+    """spirl.core.lora.LoRAInit of the training policy, None for full fine-tuning."""
     seed: int
     policy: object = None
     engine: object = None
@@ -138,9 +138,9 @@ class Session:
         return self
 
     def _build(self) -> None:
-        from ..config import TrainConfig
-        from ..policy import build_policy_and_engine
-        from ..preflight import resolve_device
+        from ..core.config import TrainConfig
+        from ..core.policy import build_policy_and_engine
+        from ..core.preflight import resolve_device
 
         self.device = resolve_device("auto" if self.cfg.engine == "vllm" else "cpu")
         dtype = "bfloat16" if self.cfg.engine == "vllm" else "float32"
@@ -199,7 +199,7 @@ class Session:
         """Make the engine (and the trainer's model) compute with weights `version`."""
         if version == self.engine_version:
             return
-        from ..policy import sync_weights
+        from ..core.policy import sync_weights
 
         if version == self.version:
             self.policy.push_masters_to_model()
@@ -277,10 +277,10 @@ class Session:
     @torch.no_grad()
     def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
         """[None, log p(t1 | t0), ...] of each prompt at the active weights: the trainer's own forward
-        (spirl.parity.sampled_logprobs), i.e. forward_backward's bits."""
+        (spirl.core.parity.sampled_logprobs), i.e. forward_backward's bits."""
         if not prompts:
             return []
-        from ..parity import sampled_logprobs
+        from ..core.parity import sampled_logprobs
 
         seqs = [Sample(p[:1], p[1:], torch.empty(0)) for p in prompts]
         if getattr(self.engine, "one_per_forward", False):
@@ -350,7 +350,7 @@ class Session:
     def _logprobs(self, seqs, inputs) -> tuple[torch.Tensor, list[int]]:
         """The trainer's logprob of every target of the datums ([sum of N], float32), one packed
         forward, and each datum's N."""
-        from ..parity import pack_sampled
+        from ..core.parity import pack_sampled
 
         full = [Sample(s.ids[:1], s.ids[1:], torch.empty(0)) for s in seqs]
         packed, rows, _, sizes = pack_sampled(full, self.device)
@@ -404,7 +404,7 @@ class Session:
         return list(range(first, first + len(rec.tokens))), rec.logprobs.tolist()
 
     def optim_step(self, adam) -> dict:
-        from ..optim import clip_grad_norm
+        from ..core.optim import clip_grad_norm
 
         self._before_update()
         params = list(self.policy.masters.values())
@@ -417,7 +417,7 @@ class Session:
         self.policy.optimizer.step()
         self.policy.optimizer.zero_grad(set_to_none=True)
         self.policy.push_masters_to_model()
-        from ..policy import sync_weights
+        from ..core.policy import sync_weights
 
         sync_weights(self.engine, self.policy, self.train_config)
         self.new_version()

@@ -69,7 +69,7 @@ def local_path(path: str, root: str | None = None) -> Path:
 def _session(base_model: str, lora, seed: int | None) -> Session:
     """The process's session, created by the first client (later ones must use the same base model)."""
     global _SESSION
-    from ..preflight import resolve_model
+    from ..core.preflight import resolve_model
 
     cfg = BackendConfig.from_env()
     if _SESSION is not None:
@@ -84,8 +84,8 @@ def _session(base_model: str, lora, seed: int | None) -> Session:
 
 
 def _lora_init(base_model: str, rank: int, targets: tuple[str, ...]):
-    from ..lora import LoRAInit
-    from ..preflight import resolve_model, validate_model_dir
+    from ..core.lora import LoRAInit
+    from ..core.preflight import resolve_model, validate_model_dir
     from torchtitan_compat.lora import DEFAULT_ALPHA, LoRASpec, check_spec
 
     if rank < 1:
@@ -283,12 +283,12 @@ class TrainingClient(tinker.TrainingClient):
         return _on_worker(self._s, self._save_state, path, user_metadata)
 
     def _save_state(self, path: str, user_metadata):
-        from .. import checkpoint as ckpt
+        from ..core import checkpoint as ckpt
 
         s = self._s
         adapter = None
         if s.lora is not None:
-            from ..lora import adapter_writer
+            from ..core.lora import adapter_writer
 
             adapter = adapter_writer(s.policy, s.train_config, "")
         ckpt.write_dir(local_path(path, s.cfg.root), s.policy.masters, s.policy.optimizer,
@@ -303,8 +303,8 @@ class TrainingClient(tinker.TrainingClient):
         return self.load_state(path, True)
 
     def _load_state(self, path: str, with_optimizer: bool):
-        from .. import checkpoint as ckpt
-        from ..policy import resume_into, sync_weights
+        from ..core import checkpoint as ckpt
+        from ..core.policy import resume_into, sync_weights
 
         s = self._s
         directory = local_path(path, s.cfg.root)
@@ -333,7 +333,7 @@ class TrainingClient(tinker.TrainingClient):
         out = local_path(path, s.cfg.root)
         with weights.atomic_directory(out) as tmp:
             if s.lora is not None:
-                from ..lora import adapter_writer
+                from ..core.lora import adapter_writer
 
                 adapter_writer(s.policy, s.train_config, "")(tmp)
             else:

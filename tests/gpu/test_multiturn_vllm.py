@@ -1,6 +1,6 @@
 """Multi-turn GRPO on real vLLM: every sampled token of every turn bitwise equal to the trainer.
 
-A random tiny checkpoint is first taught the calculator format (spirl.warmstart, so that episodes
+A random tiny checkpoint is first taught the calculator format (spirl.loops.warmstart, so that episodes
 have several turns and rewards differ), then simple_rl.py runs --task calculator with vLLM.
 """
 
@@ -25,7 +25,7 @@ def run(args, tmp_path, timeout=900):
 
 def test_multi_turn_grpo_parity_on_vllm(gpu_tiny_ckpt, tmp_path):
     taught = tmp_path / "calc-tiny"
-    run(["-m", "spirl.warmstart", "--model", gpu_tiny_ckpt, "--out", str(taught), "--steps", "100",
+    run(["-m", "spirl.loops.warmstart", "--model", gpu_tiny_ckpt, "--out", str(taught), "--steps", "100",
          "--batch", "32", "--device", "cuda"], tmp_path)
     run(["simple_rl.py", "--model", str(taught), "--task", "calculator", "--steps", "3",
          "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "48", "--max-turns", "3",

@@ -1,8 +1,8 @@
-"""One GRPO run: setup, the step loop, checkpoints and resume (the step itself: spirl/trainer.py).
+"""One GRPO run: setup, the step loop, checkpoints and resume (the step itself: spirl/loops/trainer.py).
 
-Setup order: cheap checks first (spirl/preflight.py), so that a bad setup fails in one line
-(spirl.errors) before anything heavy is loaded:
-  1. the config (spirl.config); --out-dir and --checkpoint-dir writable;
+Setup order: cheap checks first (spirl/core/preflight.py), so that a bad setup fails in one line
+(spirl.core.errors) before anything heavy is loaded:
+  1. the config (spirl.core.config); --out-dir and --checkpoint-dir writable;
   2. --engine vllm: VLLM_BATCH_INVARIANT=1, vLLM importable at the pinned version;
   3. the model resolved (a local directory, a Hub repo id, or `random:<shape>`) and validated from
      config.json and the safetensors headers alone (`validate_model_dir`: no tensor is read), so
@@ -12,11 +12,11 @@ Setup order: cheap checks first (spirl/preflight.py), so that a bad setup fails 
   5. the trainer's device: CUDA present for --engine vllm or --device cuda;
   6. the tokenizer and the task; every known prompt + --max-new-tokens within the engine's
      max_model_len (tasks whose prompts are not known up front: checked per generate call);
-  7. on CUDA: the memory plan (spirl.memory_plan) refuses a run that would not fit;
+  7. on CUDA: the memory plan (spirl.core.memory_plan) refuses a run that would not fit;
   8. the policy (fp32 masters, compute model, reference), the engine (which gets the trainer's
      exact weights), then steps.
-Metrics: one TensorBoard scalar set and one metrics.jsonl line per step (spirl.metrics);
-checkpoints every `checkpoint_every` steps and after the last (spirl.checkpoint).
+Metrics: one TensorBoard scalar set and one metrics.jsonl line per step (spirl.core.metrics);
+checkpoints every `checkpoint_every` steps and after the last (spirl.core.checkpoint).
 Interrupts: SIGINT and SIGTERM stop the run where it is (logging a step and writing a checkpoint
 finish first); the logs are flushed, no partial checkpoint is left, and the one line says which
 --resume continues the run (exit status 128 + the signal number).
@@ -33,14 +33,14 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt
+from ..core import checkpoint as ckpt
 from . import trainer
-from .config import TrainConfig, to_dict
-from .distributed import World, check_distributed_config, check_distributed_task, init_world, launched_by_torchrun
-from .errors import UserError
+from ..core.config import TrainConfig, to_dict
+from ..core.distributed import World, check_distributed_config, check_distributed_task, init_world, launched_by_torchrun
+from ..core.errors import UserError
 from .evaluation import evaluate, require_eval_set
-from .metrics import MetricsLogger
-from .preflight import (
+from ..core.metrics import MetricsLogger
+from ..core.preflight import (
     LengthCheckedEngine,
     check_memory,
     check_prompt_lengths,
@@ -52,9 +52,9 @@ from .preflight import (
     resolve_model,
     validate_model_dir,
 )
-from .policy import Policy, build_policy_and_engine, resume_into, sync_weights
+from ..core.policy import Policy, build_policy_and_engine, resume_into, sync_weights
 
-log = logging.getLogger("spirl.run")
+log = logging.getLogger("spirl.loops.run")
 
 _NATIVE = "; on a machine without vLLM/CUDA use --engine native --dtype float32"
 
@@ -71,7 +71,7 @@ def save_checkpoint(cfg: TrainConfig, policy: Policy, step: int, model_dir: Path
     opt = ckpt.optimizer_tensors(policy.optimizer, world.full_cpu)
     adapter = None
     if getattr(policy, "spec", None) is not None:  # LoRA: the masters are written as a PEFT adapter
-        from .lora import adapter_writer
+        from ..core.lora import adapter_writer
 
         adapter = adapter_writer(policy, cfg, (reference or {}).get("fingerprint", ""))
     path, error = None, None
@@ -169,8 +169,8 @@ def train(cfg: TrainConfig) -> list[dict]:
 
 
 def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
-    from .errors import require_batch_invariant, require_cuda, require_vllm, require_writable_dir
-    from .tasks import get_task
+    from ..core.errors import require_batch_invariant, require_cuda, require_vllm, require_writable_dir
+    from ..tasks import get_task
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -196,7 +196,7 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     reference = {"model": cfg.model, "model_dir": str(model_dir), "fingerprint": model_fingerprint(model_dir)}
     lora = None
     if cfg.lora:  # the adapter's spec (rank checked against the layers, --lora-init read) before anything heavy
-        from .lora import resolve_spec
+        from ..core.lora import resolve_spec
 
         lora = resolve_spec(cfg, model_args, model_dir, reference["fingerprint"])
     if cfg.resume:

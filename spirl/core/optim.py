@@ -43,7 +43,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 def step_with_deltas(opt: torch.optim.Optimizer, all_sum=None) -> dict[str, float]:
     """opt.step(), one parameter group at a time; returns per layer ||W_t - W_{t-1}|| and its ratio
     to ||W_{t-1}|| (float64 sums), holding one layer's previous weights at a time. Sharded
-    parameters: each rank sums its own shard and `all_sum` (spirl.distributed.World.all_sum) adds
+    parameters: each rank sums its own shard and `all_sum` (spirl.core.distributed.World.all_sum) adds
     the ranks' sums."""
     from .distributed import local
 

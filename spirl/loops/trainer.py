@@ -1,6 +1,6 @@
 """The GRPO loop: rollouts -> rewards -> advantages -> parity check -> updates -> weight sync.
 
-The policy (weights, compute model, engine, weight sync) is spirl/policy.py's (and spirl/lora.py's).
+The policy (weights, compute model, engine, weight sync) is spirl/core/policy.py's (and spirl/core/lora.py's).
 
 Per step, in order:
   1. prompts from a python RNG seeded by (seed, step), sampling seed derived from (seed, step):
@@ -38,12 +38,12 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig
-from .distributed import World, shard_of
+from ..core.config import TrainConfig
+from ..core.distributed import World, shard_of
 from .loss import grpo_advantages, grpo_loss, pad
-from .multiturn import episode_metrics, run_episodes
-from .optim import clip_grad_norm, step_with_deltas
-from .parity import (
+from ..core.multiturn import episode_metrics, run_episodes
+from ..core.optim import clip_grad_norm, step_with_deltas
+from ..core.parity import (
     ParityReport,
     SamplingDist,
     check_parity,
@@ -51,9 +51,9 @@ from .parity import (
     sampled_logprobs,
     sampled_logprobs_and_entropy,
 )
-from .policy import Policy, sync_weights
+from ..core.policy import Policy, sync_weights
 
-log = logging.getLogger("spirl.trainer")
+log = logging.getLogger("spirl.loops.trainer")
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN/Inf; the run stops with the last good checkpoint kept."""

@@ -1,12 +1,12 @@
 """The policy: the weights training updates, the model the trainer computes with, the rollout engine
-that samples from them, and keeping the two in step. The core that both GRPO (spirl/trainer.py,
-spirl/run.py) and the Tinker API (spirl/tinker/) train through.
+that samples from them, and keeping the two in step. The core that both GRPO (spirl/loops/trainer.py,
+spirl/loops/run.py) and the Tinker API (spirl/tinker/) train through.
 
 Full fine-tuning: AdamW updates fp32 *master* weights; the trainer's forward runs a compute-dtype
 model whose parameters are the cast of the masters (copied after every optimizer step). Gradients
 flow into the compute model and are accumulated into the masters' .grad in fp32. The engine
 receives the compute model's tensors, i.e. exactly the numbers the trainer's forward uses
-(`sync_weights`). LoRA (spirl/lora.py): the masters are the adapters, and the engine computes
+(`sync_weights`). LoRA (spirl/core/lora.py): the masters are the adapters, and the engine computes
 with the trainer's own merged weights.
 """
 
@@ -25,7 +25,7 @@ from .distributed import World, gathered_weight_groups, shard_model
 from . import checkpoint as ckpt
 from .optim import build_adamw
 
-log = logging.getLogger("spirl.policy")
+log = logging.getLogger("spirl.core.policy")
 
 EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|> (Qwen3's generation_config eos_token_id)
 
@@ -35,7 +35,7 @@ class Policy:
     """fp32 masters (what AdamW updates), the compute model (their cast), the frozen reference
     (None when the loss has no KL term). Sharded (`world.sharded`, under torchrun): `model` is the
     FSDP2 module whose parameters *are* the masters, computing in the compute dtype (see
-    spirl.distributed), so there is nothing to push or accumulate by hand."""
+    spirl.core.distributed), so there is nothing to push or accumulate by hand."""
 
     masters: dict[str, torch.nn.Parameter]
     model: torch.nn.Module
@@ -44,7 +44,7 @@ class Policy:
     world: World = field(default_factory=World)
     compute_dtype: torch.dtype = torch.float32
     engine_shares_weights = False
-    """True when the engine computes with the model's own weight tensors (LoRA, spirl.lora): the
+    """True when the engine computes with the model's own weight tensors (LoRA, spirl.core.lora): the
     weight sync is then the merge `push_masters_to_model` does, and nothing is loaded."""
     merge_phase = "optimizer"
     """The timing phase `push_masters_to_model` is counted in."""
@@ -116,7 +116,7 @@ def _build_sharded_policy(model_dir, cfg, device, world: World, dtype, backend) 
 def build_policy_and_engine(model_dir: Path, cfg: TrainConfig, device: torch.device, world: World | None = None,
                             lora=None):
     """(policy, engine): full fine-tuning (fp32 masters, a compute copy, the engine's own copy), or
-    with `lora` (spirl.lora.LoRAInit) a LoRA policy sharing the engine's weights."""
+    with `lora` (spirl.core.lora.LoRAInit) a LoRA policy sharing the engine's weights."""
     world = world or World(device=device)
     if lora is not None:
         from .lora import build_lora_policy_and_engine
@@ -130,7 +130,7 @@ def build_engine(cfg: TrainConfig, model_dir: Path, policy: Policy | None, **eng
     """The rollout engine: native (on the policy's model) or vLLM (`engine_settings` go to
     VLLMEngineConfig, e.g. LoRA's placeholder weights)."""
     if cfg.engine == "native":
-        from .engines.native_engine import NativeEngine
+        from ..engines.native_engine import NativeEngine
 
         model = policy.model
         if policy.world.sharded:  # the engine decodes on its own whole copy (weights synced into it)
@@ -139,7 +139,7 @@ def build_engine(cfg: TrainConfig, model_dir: Path, policy: Policy | None, **eng
             model = load_model(model_dir, device=policy.world.device, dtype=policy.compute_dtype,
                                backend="reference").requires_grad_(False)
         return NativeEngine(model, EOS_IDS, logprobs=cfg.logprobs)
-    from .engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngine, VLLMEngineConfig
+    from ..engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngine, VLLMEngineConfig
 
     return VLLMEngine(VLLMEngineConfig(
         str(model_dir), seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization,

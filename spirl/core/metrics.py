@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("spirl.metrics")
+log = logging.getLogger("spirl.core.metrics")
 
 
 def layer_of(param_name: str) -> str:

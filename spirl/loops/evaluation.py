@@ -11,8 +11,8 @@ completion counts as correct when the task's reward gives it the full reward, 1.
 
 from __future__ import annotations
 
-from .config import ConfigError
-from .distributed import World
+from ..core.config import ConfigError
+from ..core.distributed import World
 
 EVAL_SEED = 20_251_123
 """Sampling seed of pass@k (fixed: the same policy always gets the same eval)."""
@@ -32,7 +32,7 @@ def solved(task, completion_ids: list[int], meta) -> bool:
 
 def evaluate(engine, task, cfg, world=None) -> dict[str, float]:
     """eval/* scalars of the current policy on the task's held-out problems. On several ranks
-    (spirl.distributed.World) each rank answers every world.size-th problem and the counts are
+    (spirl.core.distributed.World) each rank answers every world.size-th problem and the counts are
     summed, so the scalars are the one-process ones."""
     world = world or World()
     problems = task.eval_problems()

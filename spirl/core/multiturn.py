@@ -3,8 +3,8 @@
 An environment is a task whose episodes take several policy turns. Each turn the policy
 generates until it closes the turn with <|im_end|>; the environment reads that turn and either
 ends the episode or answers (a tool result, or an error message for a malformed call); the
-answer is tokenized alone (spirl.chat_format) and appended; the policy continues from the exact
-ids so far. See spirl.trajectory for the resulting sequence and its loss mask.
+answer is tokenized alone (spirl.core.chat_format) and appended; the policy continues from the exact
+ids so far. See spirl.core.trajectory for the resulting sequence and its loss mask.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Environment(Protocol):
     multi_turn: bool
     """Always True: how the trainer tells an environment from a single-turn task."""
     format: Any
-    """The spirl.chat_format.ToolChatFormat that renders the prompt and tokenizes replies."""
+    """The spirl.core.chat_format.ToolChatFormat that renders the prompt and tokenizes replies."""
 
     def prompts(self, rng: random.Random, n: int) -> list[tuple[list[int], Meta]]:
         """n (prompt token ids, metadata), drawn with `rng` only (reproducible)."""

@@ -1,7 +1,7 @@
 """Supervised warm start: teach a checkpoint a task's answer format (and part of its skill).
 
-    python -m spirl.warmstart --task calculator --model random:tiny --out checkpoints/models/calculator-tiny
-    python -m spirl.warmstart --task arith --model DIR --out DIR2 --steps 1500 --correct-share 0.3
+    python -m spirl.loops.warmstart --task calculator --model random:tiny --out checkpoints/models/calculator-tiny
+    python -m spirl.loops.warmstart --task arith --model DIR --out DIR2 --steps 1500 --correct-share 0.3
 
 Why it exists: a random-weight checkpoint (the only kind the tests and a machine without hub
 access have) never writes a tool call or a number and almost never closes a turn with
@@ -20,7 +20,7 @@ Tasks:
               the held-out accuracy has room to rise (docs/learning-curve.md). Only training pairs
               are used (spirl.tasks.arith keeps the eval pairs out of its pool).
 
-The steps run on the trainer's own path (spirl.policy.build_policy: fp32 masters, the compute
+The steps run on the trainer's own path (spirl.core.policy.build_policy: fp32 masters, the compute
 model's forward and deterministic backward, per-layer AdamW), so a warm start is as repeatable
 as a GRPO step: same seed, same bits.
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("spirl.warmstart")
+log = logging.getLogger("spirl.loops.warmstart")
 
 TASKS = ("calculator", "arith")
 WARMUP_STEPS = 50
@@ -43,15 +43,15 @@ WARMUP_STEPS = 50
 tenth of a run shorter than 10 x WARMUP_STEPS)."""
 TURN_END = "<|im_end|>"
 """A scripted answer ends its turn the way Qwen3's chat template does (its id read from the tokenizer,
-as spirl.chat_format does)."""
+as spirl.core.chat_format does)."""
 
 
 def scripted_episode(env, prompt_ids: list[int], meta: dict, rng: random.Random):
     """A correct two-turn calculator episode as a Trajectory (canonical encodings, zero logprobs)."""
     import json
 
-    from .calculator import run_tool_call
-    from .trajectory import Trajectory
+    from ..tasks.calculator_tool import run_tool_call
+    from ..core.trajectory import Trajectory
 
     tok, fmt = env.tokenizer, env.format
     expr = meta["messages"][0]["content"].split("What is ", 1)[1].split("?", 1)[0]
@@ -69,8 +69,8 @@ def scripted_episode(env, prompt_ids: list[int], meta: dict, rng: random.Random)
 
 def arith_example(task, rng: random.Random, correct_share: float):
     """A training problem of spirl.tasks.arith answered by the carry-forgetting teacher, as a Sample."""
-    from .engines.base import Sample
-    from .tasks.arith import carry_free_sum
+    from ..engines.base import Sample
+    from ..tasks.arith import carry_free_sum
 
     prompt, meta = task.prompts(rng, 1)[0]
     answer = meta["answer"] if rng.random() < correct_share else carry_free_sum(meta["a"], meta["b"])
@@ -84,11 +84,11 @@ def example_maker(task_name: str, model_dir: Path, correct_share: float):
 
     tok = load_tokenizer(model_dir)
     if task_name == "arith":
-        from .tasks.arith import ArithTask
+        from ..tasks.arith import ArithTask
 
         task = ArithTask(tok)
         return lambda rng: arith_example(task, rng, correct_share)
-    from .tasks.calculator import CalculatorEnv
+    from ..tasks.calculator import CalculatorEnv
 
     env = CalculatorEnv(tok)
     return lambda rng: scripted_episode(env, *env.prompts(rng, 1)[0], rng)
@@ -100,9 +100,9 @@ def warmstart(model_dir: Path, out: Path, steps: int, batch: int, lr: float, see
     import weights
     import weights_vllm_compat
 
-    from .config import TrainConfig
-    from .parity import sampled_logprobs
-    from .policy import build_policy
+    from ..core.config import TrainConfig
+    from ..core.parity import sampled_logprobs
+    from ..core.policy import build_policy
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -153,11 +153,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.lr <= 0 or not 0 <= args.correct_share <= 1:
         p.error("--steps and --batch must be >= 1, --lr > 0 and --correct-share in [0, 1]")
-    from .errors import log_to_stdout
+    from ..core.errors import log_to_stdout
 
     log_to_stdout()
-    from .errors import require_writable_dir
-    from .preflight import resolve_device, resolve_model, validate_model_dir
+    from ..core.errors import require_writable_dir
+    from ..core.preflight import resolve_device, resolve_model, validate_model_dir
 
     require_writable_dir(args.out, "--out")
     device = resolve_device(args.device)
@@ -168,6 +168,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from .errors import run_cli
+    from ..core.errors import run_cli
 
     raise SystemExit(run_cli(main))

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .errors import EXIT_ENVIRONMENT, UserError
 
-log = logging.getLogger("spirl.distributed")
+log = logging.getLogger("spirl.core.distributed")
 
 DETERMINISTIC_NCCL = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
 """Fixed collective algorithm and protocol (set unless the user set them): see the module doc."""

@@ -1,6 +1,6 @@
 """One error path for users: every expected failure ends as ONE line on stderr and a distinct exit status.
 
-Every entry point (`simple_rl.py`, `compare/*.py`, `python -m spirl.warmstart`) runs its `main`
+Every entry point (`simple_rl.py`, `compare/*.py`, `python -m spirl.loops.warmstart`) runs its `main`
 through `run_cli`, which turns the project's expected errors into one line (what is wrong, what
 to do) and the exit status below. Anything else is a bug: its traceback is printed, then one
 line, and the status is 70. `--debug` (simple_rl.py: `--debug 1`) or `SPIRL_DEBUG=1` prints the
@@ -82,20 +82,20 @@ def debug_enabled() -> bool:
 # A class is only looked up if its module is already imported: an exception cannot be an instance
 # of a class that was never loaded, and this keeps run_cli free of heavy imports.
 _KNOWN: list[tuple[str, str, int, str]] = [
-    ("spirl.config", "ConfigError", EXIT_USAGE, ""),
+    ("spirl.core.config", "ConfigError", EXIT_USAGE, ""),
     ("spirl.tasks", "TaskError", EXIT_USAGE, ""),
     ("torchtitan_compat.config", "ConfigError", EXIT_MODEL, ""),
     ("torchtitan_compat.tokenizer", "TokenizerError", EXIT_MODEL, ""),
     ("weights", "WeightsError", EXIT_MODEL, ""),
-    ("spirl.preflight", "ModelError", EXIT_MODEL, ""),
-    ("spirl.checkpoint", "CheckpointError", EXIT_MODEL, ""),
+    ("spirl.core.preflight", "ModelError", EXIT_MODEL, ""),
+    ("spirl.core.checkpoint", "CheckpointError", EXIT_MODEL, ""),
     ("torchtitan_compat.peft_adapter", "AdapterError", EXIT_MODEL, ""),
     ("torchtitan_compat.lora", "LoRAError", EXIT_USAGE, ""),
     ("torchtitan_compat.ops", "BackendError", EXIT_ENVIRONMENT, ""),
-    ("spirl.parity", "ParityError", EXIT_PARITY,
+    ("spirl.core.parity", "ParityError", EXIT_PARITY,
      "parity broken at {msg}; that step's update was not applied and the last checkpoint is kept: "
      "read the report, localize with ./run_comparison.sh --localize"),
-    ("spirl.trainer", "NonFiniteLossError", EXIT_DIVERGED,
+    ("spirl.loops.trainer", "NonFiniteLossError", EXIT_DIVERGED,
      "training diverged: {msg}; lower --lr or set --max-grad-norm, then --resume from the last checkpoint"),
 ]
 
@@ -166,7 +166,7 @@ def report(e: BaseException, prog: str | None = None, file=None) -> int:
 @contextmanager
 def one_line_argparse_errors():
     """Within the block, argparse usage errors are one line on stderr (no usage dump), status 2.
-    Parsers that define their own `error` (spirl.config.OneLineParser, ...) are unaffected."""
+    Parsers that define their own `error` (spirl.core.config.OneLineParser, ...) are unaffected."""
     original = argparse.ArgumentParser.error
 
     def error(self, message):

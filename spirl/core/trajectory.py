@@ -4,7 +4,7 @@
 
 * the prompt is rendered once by the chat template (tools, system, user, generation prompt);
 * each turn is the engine's sampled ids, kept as they are, with the engine's logprobs;
-* each environment reply is tokenized on its own (spirl.chat_format), boundary tokens included.
+* each environment reply is tokenized on its own (spirl.core.chat_format), boundary tokens included.
 Nothing is decoded and re-encoded, so the ids the trainer scores are the ids the engine sampled,
 and the loss mask covers exactly the sampled ones.
 """

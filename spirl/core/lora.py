@@ -16,7 +16,7 @@ parity is full fine-tuning's problem. One copy of the weights is on the GPU:
 
 Only the adapters (float32) have gradients and AdamW state. The reference policy (kl_coef > 0) is
 the initial adapters: merged in for the reference forward, merged out after. Checkpoints hold the
-adapters as a PEFT adapter (spirl.checkpoint); `--lora-init` starts from one.
+adapters as a PEFT adapter (spirl.core.checkpoint); `--lora-init` starts from one.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torchtitan_compat.peft_adapter import AdapterError, read_adapter
 from .config import TrainConfig
 from .policy import Policy
 
-log = logging.getLogger("spirl.lora")
+log = logging.getLogger("spirl.core.lora")
 
 FINGERPRINT_KEY = "spirl_base_fingerprint"
 """Safetensors metadata key of the adapters SPIRL writes: the base checkpoint's fingerprint."""

@@ -1,7 +1,7 @@
-"""Checks before a run, cheapest first, each failing in one line (spirl.errors): the model
+"""Checks before a run, cheapest first, each failing in one line (spirl.core.errors): the model
 directory validated from config.json and the safetensors headers alone, the tokenizer, prompt
 lengths against the engine's max_model_len, a --resume checkpoint against this model and this
-reference policy, and the memory plan on CUDA. spirl/run.py calls them in its setup order."""
+reference policy, and the memory plan on CUDA. spirl/loops/run.py calls them in its setup order."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from . import checkpoint as ckpt
 from .config import TrainConfig
 from .errors import EXIT_ENVIRONMENT, EXIT_USAGE, UserError
 
-log = logging.getLogger("spirl.preflight")
+log = logging.getLogger("spirl.core.preflight")
 
 
 class ModelError(ValueError):
@@ -181,7 +181,7 @@ def engine_max_model_len(cfg: TrainConfig, model_args) -> tuple[int, str]:
     """(longest prompt + completion the engine takes, where that limit comes from)."""
     limit, source = getattr(cfg, "max_model_len", None), "--max-model-len"
     if limit is None and cfg.engine == "vllm":
-        from .engines.vllm_engine import VLLMEngineConfig
+        from ..engines.vllm_engine import VLLMEngineConfig
 
         limit, source = VLLMEngineConfig.max_model_len, "the vLLM engine's max_model_len"
     if limit is None or model_args.max_seq_len < limit:

@@ -19,9 +19,9 @@ import torch
 from torchtitan_compat import PackedTokens, pack
 from torchtitan_compat.packing import flatten
 
-from .engines.base import Sample
+from ..engines.base import Sample
 
-log = logging.getLogger("spirl.parity")
+log = logging.getLogger("spirl.core.parity")
 
 
 class ParityError(RuntimeError):
@@ -176,7 +176,7 @@ def _report_mismatch(report: ParityReport, samples, trainer_lps, step: int, run_
         try:
             from types import SimpleNamespace
 
-            from spirl.localize import localize_sample
+            from spirl.core.localize import localize_sample
 
             detail["localization"] = localize_sample(SimpleNamespace(engine=engine, model=policy.model),
                                                      s.ids[:position + 1])
