@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -235,3 +236,12 @@ def test_task_rewards():
     assert score(" 68<|im_end|>", 68) == 1.0 and score("68 and 3", 68) == 1.0
     assert score("7 is it", 68) == 0.1 and score("It is 68", 68) == 1.0 and score("no", 68) == 0.0
     assert gsm_score("so 1,234 in total.\n1,234", 1234.0) == 1.0 and gsm_score("12 then 13", 12.0) == 0.0
+
+
+@pytest.mark.parametrize("name, needle", [("nosuchtask", "unknown task 'nosuchtask'"),
+                                          ("calculator_tool", "is not a task (it has no make(tokenizer))")])
+def test_get_task_refuses_what_is_not_a_task(name, needle):
+    from spirl.tasks import TaskError, get_task
+
+    with pytest.raises(TaskError, match=re.escape(needle)):
+        get_task(name, tokenizer=None)
