@@ -117,6 +117,19 @@ def test_cookbook_rl_loop_runs_with_parity(tiny_ckpt, tmp_path):
     assert (tmp_path / "cb" / "checkpoints.jsonl").is_file()
 
 
+def test_cookbook_async_rl_loop_trains_off_policy_data(tiny_ckpt, tmp_path):
+    """The cookbook's async mode (AsyncConfig, sampling one step ahead of training, ppo): 4 steps train;
+    data sampled at the weights being trained is compared (the first batch always is), data from an
+    older sampler is trained as given; nothing differs."""
+    r = launch(tmp_path, REPO / "compare" / "tinker_task.py", "--model", tiny_ckpt, "--log-path", tmp_path / "cb",
+               "--iterations", "4", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
+               "--max-steps-off-policy", "1", "--loss-fn", "ppo")
+    assert r.returncode == 0 and "Training completed successfully" in r.stdout + r.stderr
+    calls = [c for c in parity_log(tmp_path) if c["backward"]]
+    assert [c["version"] for c in calls] == [0, 1, 2, 3]
+    assert calls[0]["tokens_compared"] > 0 and all(c["tokens_different"] == 0 for c in calls)
+
+
 def test_cookbook_sl_loop_runs(tiny_ckpt, tmp_path):
     r = launch(tmp_path, SCRIPTS / "sl_cookbook.py", tiny_ckpt, tmp_path / "sl")
     assert r.returncode == 0 and "Training completed successfully" in r.stdout + r.stderr
