@@ -697,11 +697,10 @@ class LMHeadLogprobsFunction(torch.autograd.Function):
         dh = torch.empty_like(h) if need[0] else None
         dw = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need[1] else None
         lora = None
-        if lora_a is not None and (need[8] or need[9]):  # [dA, dB] summed over chunks in float32
-            lora = [torch.zeros(lora_a.shape, dtype=torch.float32 if cdt != torch.float64 else cdt,
-                                device=lora_a.device) if need[8] else None,
-                    torch.zeros(lora_b.shape, dtype=torch.float32 if cdt != torch.float64 else cdt,
-                                device=lora_b.device) if need[9] else None]
+        if lora_a is not None and (need[8] or need[9]):  # [dA, dB] summed over chunks in float32 (float64 on float64)
+            acc = torch.float64 if cdt == torch.float64 else torch.float32
+            lora = [torch.zeros(t.shape, dtype=acc, device=t.device) if wanted else None
+                    for t, wanted in ((lora_a, need[8]), (lora_b, need[9]))]
         for sl in _row_chunks(h.shape[0], weight.shape[0]):
             z = _chunk_forward(h[sl], weight, ids[sl], ctx.temperature, ctx.min_p, ctx.backend)
             if on_tensor_cores(z):  # the same math in one Triton pass per row

@@ -134,6 +134,17 @@ def compare_logprobs(engine_lps: list[torch.Tensor], trainer_lps: list[torch.Ten
     return ParityReport(compared, different, max_diff, first, per_sample)
 
 
+def every_token_logprobs(model, id_lists: list[list[int]], device, dist: SamplingDist = RAW,
+                         one_per_forward: bool = False) -> list[torch.Tensor]:
+    """The trainer's float32 logprob of every token but the first of each sequence: all of them in
+    one packed forward, or (`one_per_forward`) each sequence in a forward of its own (on a backend
+    that is not batch invariant, the way to get the bits a one-sequence forward gives)."""
+    seqs = [Sample(ids[:1], ids[1:], torch.empty(0)) for ids in id_lists]
+    if one_per_forward:
+        return [sampled_logprobs(model, [s], device, dist)[0] for s in seqs]
+    return sampled_logprobs(model, seqs, device, dist)
+
+
 def sampled_logprobs_and_entropy(model, seqs: list[Sample], device, dist: SamplingDist = RAW,
                                  entropy_grad: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`sampled_logprobs` (the same ops, so the same bits) plus the float32 entropy of `dist` at

@@ -22,7 +22,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from ..core.parity import SamplingDist, logprob_dist, sampled_logprobs
+from ..core.parity import SamplingDist, every_token_logprobs, logprob_dist, sampled_logprobs
 from .base import Request, Sample
 
 
@@ -89,7 +89,7 @@ class NativeEngine:
                 s.logprobs = lp.float().cpu()
             return seqs
         for s in seqs:  # alone, and every row (as the Tinker trainer scores a datum), then the sampled ones
-            every = sampled_logprobs(self.model, [Sample(s.ids[:1], s.ids[1:], torch.empty(0))], self.device, dist)[0]
+            every = every_token_logprobs(self.model, [s.ids], self.device, dist, one_per_forward=True)[0]
             s.logprobs = every[torch.tensor(s.loss_mask[1:])].float().cpu()
         return seqs
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..engines.base import Request, Sample
-from ..core.parity import ParityError, check_parity
+from ..core.parity import ParityError, check_parity, every_token_logprobs
 from . import losses
 
 log = logging.getLogger("spirl.tinker")
@@ -120,7 +120,6 @@ class Session:
     run_id: str = "run"
     fb_calls: int = 0
     train_config: object = None
-    model: object = None
     tokenizer: object = None
     trainer_attached: bool = False
     _ids: object = field(default_factory=lambda: itertools.count())
@@ -151,11 +150,15 @@ class Session:
                          kl_coef=0.0, device=str(self.device)).validate()
         self.train_config = tc
         self.policy, self.engine = build_policy_and_engine(self.model_dir, tc, self.device, lora=self.lora)
-        self.model = self.policy.model
         if self.cfg.engine == "native":  # plain PyTorch on the CPU is not batch invariant: see NativeEngine
             self.engine.one_per_forward = True
         log.info("Tinker backend ready: %s on %s (%s, %s)", self.base_model, self.device, self.cfg.engine,
                  f"LoRA rank {spec.rank} on {','.join(spec.targets)}" if spec else "full fine-tuning")
+
+    @property
+    def model(self):
+        """The trainer's compute model (the policy's)."""
+        return self.policy.model
 
     def submit(self, fn, *args) -> cf.Future:
         """Run fn(*args) on the worker thread, after everything submitted before it."""
@@ -280,13 +283,8 @@ class Session:
         (spirl.core.parity.sampled_logprobs), i.e. forward_backward's bits."""
         if not prompts:
             return []
-        from ..core.parity import sampled_logprobs
-
-        seqs = [Sample(p[:1], p[1:], torch.empty(0)) for p in prompts]
-        if getattr(self.engine, "one_per_forward", False):
-            lps = [sampled_logprobs(self.model, [s], self.device)[0] for s in seqs]
-        else:
-            lps = sampled_logprobs(self.model, seqs, self.device)
+        lps = every_token_logprobs(self.model, prompts, self.device,
+                                   one_per_forward=getattr(self.engine, "one_per_forward", False))
         return [[None] + lp.float().cpu().tolist() for lp in lps]
 
     # -- training -----------------------------------------------------------------------------------------------
@@ -319,7 +317,7 @@ class Session:
                 with torch.set_grad_enabled(backward):
                     lp, sizes = self._logprobs(seqs[sl], inputs[sl])
                     on_host = list(lp.detach().float().cpu().split(sizes))
-                    c, d = self.check_parity(data[sl], on_host)
+                    c, d = self.check_parity(data[sl], seqs[sl], on_host)
                     compared, different = compared + c, different + d
                     if custom is not None:
                         value, metrics = custom(data, list(lp.split(sizes)))
@@ -352,34 +350,33 @@ class Session:
         forward, and each datum's N."""
         from ..core.parity import pack_sampled
 
-        full = [Sample(s.ids[:1], s.ids[1:], torch.empty(0)) for s in seqs]
-        packed, rows, _, sizes = pack_sampled(full, self.device)
+        packed, rows, _, sizes = pack_sampled(seqs, self.device)
         targets = torch.cat([t for t, _ in inputs]).to(self.device)
         lps, _ = self.model.token_logprobs(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen,
                                            rows, targets)
         return lps, sizes
 
-    def check_parity(self, data, target_lps: list[torch.Tensor]) -> tuple[int, int]:
+    def check_parity(self, data, seqs: list[Sample], target_lps: list[torch.Tensor]) -> tuple[int, int]:
         """Compare every sampled token of on-policy data (see the module docstring); ParityError on a
         difference. Returns (tokens compared, tokens different)."""
-        seqs, trainer = [], []
-        for d, lp in zip(data, target_lps):
-            positions, sampler = self._on_policy_positions(d)
+        checked, trainer = [], []
+        for d, s, lp in zip(data, seqs, target_lps):
+            ids = s.ids  # the datum's model_input and its last target
+            positions, sampler = self._on_policy_positions(d, ids)
             if not positions:
                 continue
-            ids = d.model_input.to_ints() + [int(d.loss_fn_inputs["target_tokens"].data[-1])]
             mask = [False] * len(ids)
             for p in positions:
                 mask[p + 1] = True
-            seqs.append(_Seq(ids, mask, torch.tensor(sampler, dtype=torch.float32)))
+            checked.append(_Seq(ids, mask, torch.tensor(sampler, dtype=torch.float32)))
             trainer.append(lp[positions])
-        if not seqs:
+        if not checked:
             return 0, 0
         run_dir = Path(self.cfg.root) / self.run_id
-        report = check_parity(seqs, trainer, self.fb_calls, run_dir, self.engine, self.policy)
+        report = check_parity(checked, trainer, self.fb_calls, run_dir, self.engine, self.policy)
         return report.tokens_compared, report.tokens_different
 
-    def _on_policy_positions(self, d) -> tuple[list[int], list[float]]:
+    def _on_policy_positions(self, d, ids: list[int]) -> tuple[list[int], list[float]]:
         """(loss positions holding tokens a sampler at the current version drew, their sampler
         logprobs), from the datum's provenance spans, else from its whole token sequence."""
         spans = d.loss_fn_input_spans
@@ -396,8 +393,7 @@ class Session:
                         lps += rec.logprobs[span.offset:span.offset + span.length].tolist()
                 cursor += span.length
             return positions, lps
-        ids = tuple(d.model_input.to_ints() + [int(targets[-1])])
-        rec = self.by_tokens.get(ids)
+        rec = self.by_tokens.get(tuple(ids))
         if rec is None or rec.version != self.version:
             return [], []
         first = len(rec.prompt) - 1

@@ -83,10 +83,11 @@ def _session(base_model: str, lora, seed: int | None) -> Session:
     return _SESSION
 
 
-def _lora_init(base_model: str, rank: int, targets: tuple[str, ...]):
+def _lora_init(base_model: str, rank: int, targets):
+    """The LoRAInit of a LoRA client: rank, Tinker's alpha, `targets` (any order) in model order."""
     from ..core.lora import LoRAInit
     from ..core.preflight import resolve_model, validate_model_dir
-    from torchtitan_compat.lora import DEFAULT_ALPHA, LoRASpec, check_spec
+    from torchtitan_compat.lora import DEFAULT_ALPHA, TARGETS, LoRASpec, check_spec
 
     if rank < 1:
         raise APIError(f"rank must be >= 1 for a LoRA training client (got {rank}); "
@@ -94,7 +95,7 @@ def _lora_init(base_model: str, rank: int, targets: tuple[str, ...]):
     if not targets:
         raise APIError("train_mlp, train_attn and train_unembed are all False: nothing to train")
     _, args = validate_model_dir(resolve_model(base_model, str(Path(BackendConfig.from_env().root) / "models")))
-    spec = LoRASpec(rank, DEFAULT_ALPHA, targets)
+    spec = LoRASpec(rank, DEFAULT_ALPHA, tuple(t for t in TARGETS if t in targets))
     check_spec(spec, args)
     return LoRAInit(spec)
 
@@ -137,11 +138,7 @@ class ServiceClient(tinker.ServiceClient):
         """LoRA (alpha 32) on the modules the switches name: attention (q, k, v, o), MLP (gate, up,
         down), unembed (lm_head: with tied embeddings it gets its own output weight, the input
         embedding stays frozen)."""
-        switches = {"train_attn": train_attn, "train_mlp": train_mlp, "train_unembed": train_unembed}
-        targets = tuple(t for k, on in switches.items() if on for t in TRAIN_TARGETS[k])
-        from torchtitan_compat.lora import TARGETS
-
-        lora = _lora_init(base_model, rank, tuple(t for t in TARGETS if t in targets))
+        lora = _lora_init(base_model, rank, _switch_targets(train_attn, train_mlp, train_unembed))
         return _future(TrainingClient(_attach(base_model, lora, seed), user_metadata))
 
     async def create_lora_training_client_async(self, *args, **kwargs):
@@ -169,10 +166,7 @@ class ServiceClient(tinker.ServiceClient):
         state = _read_state(local_path(path))
         lora = None
         if state.get("lora"):
-            from torchtitan_compat.lora import TARGETS
-
-            lora = _lora_init(state["base_model"], state["lora"]["rank"],
-                              tuple(t for t in TARGETS if t in state["lora"]["targets"]))
+            lora = _lora_init(state["base_model"], state["lora"]["rank"], state["lora"]["targets"])
         client = TrainingClient(_attach(state["base_model"], lora, state.get("seed")), user_metadata or
                                 state.get("user_metadata"))
         client.load_state(path, with_optimizer).result()
@@ -186,17 +180,13 @@ class ServiceClient(tinker.ServiceClient):
             meta = _read_json(local_path(model_path) / "sampler.json", model_path)
             lora = meta.get("lora")
             if lora:
-                from torchtitan_compat.lora import TARGETS
-
-                lora = _lora_init(meta["base_model"], lora["rank"], tuple(t for t in TARGETS if t in lora["targets"]))
+                lora = _lora_init(meta["base_model"], lora["rank"], lora["targets"])
             session = _session(meta["base_model"], lora or None, meta.get("seed"))
             return _on_worker(session, SamplingClient.from_path, session, model_path)
         if _SESSION is not None:
             session = _session(base_model, None, None)  # the same base model, or a one-line refusal
         else:  # no training client yet: the backend is built as Tinker's default LoRA client would need it
-            session = _session(base_model, _lora_init(base_model, 32, TRAIN_TARGETS["train_attn"] +
-                                                      TRAIN_TARGETS["train_mlp"] + TRAIN_TARGETS["train_unembed"]),
-                               None)
+            session = _session(base_model, _lora_init(base_model, 32, _switch_targets()), None)
         return _on_worker(session, SamplingClient.of_base, session)
 
     async def create_sampling_client_async(self, *a, **kw):
@@ -209,6 +199,12 @@ class ServiceClient(tinker.ServiceClient):
         return None
 
 
+def _switch_targets(train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True) -> list[str]:
+    """The LoRA targets create_lora_training_client's switches name (their defaults: all of them)."""
+    on = {"train_attn": train_attn, "train_mlp": train_mlp, "train_unembed": train_unembed}
+    return [t for k, targets in TRAIN_TARGETS.items() if on[k] for t in targets]
+
+
 def _attach(base_model: str, lora, seed):
     session = _session(base_model, lora, seed)
     mine = getattr(session.lora, "spec", None)
@@ -216,7 +212,7 @@ def _attach(base_model: str, lora, seed):
     if mine != wanted:
         raise APIError(f"this process's backend was built for {_describe(mine)}; it cannot also train {_describe(wanted)}"
                        " (one policy per process: create the training client first, or use another process)")
-    if getattr(session, "trainer_attached", False):
+    if session.trainer_attached:
         raise APIError("this process already has a training client (SPIRL's local backend trains one model per "
                        "process)")
     session.trainer_attached = True
@@ -402,10 +398,10 @@ def _session_state(s: Session) -> dict:
 
 
 def _tokenizer(s: Session):
-    if getattr(s, "tokenizer", None) is None:
-        from transformers import AutoTokenizer
+    if s.tokenizer is None:
+        from ..core.preflight import load_checked_tokenizer
 
-        s.tokenizer = AutoTokenizer.from_pretrained(str(s.model_dir))
+        s.tokenizer = load_checked_tokenizer(s.model_dir)
     return s.tokenizer
 
 
@@ -429,10 +425,7 @@ class SamplingClient(tinker.SamplingClient):
                 s.snapshots[key] = {n: (torch.zeros_like(p) if ".lora_B." in n else p.detach().clone())
                                     for n, p in s.policy.masters.items()}
             else:
-                from weights_vllm_compat import load_model
-
-                ref = load_model(s.model_dir, dtype=next(s.model.parameters()).dtype, backend="reference")
-                s.snapshots[key] = {n: p.detach() for n, p in ref.named_parameters()}
+                s.snapshots[key] = _weights_snapshot(s, s.model_dir)
         return cls(s, key)
 
     @classmethod
@@ -450,10 +443,7 @@ class SamplingClient(tinker.SamplingClient):
             _, params, _ = read_adapter(directory, s.model.args)
             s.snapshots[key] = {n: t.to(s.device) for n, t in params.items()}
         else:
-            from weights_vllm_compat import load_model
-
-            ref = load_model(directory / "hf", dtype=next(s.model.parameters()).dtype, backend="reference")
-            s.snapshots[key] = {n: p.detach() for n, p in ref.named_parameters()}
+            s.snapshots[key] = _weights_snapshot(s, directory / "hf")
         return cls(s, key)
 
     def __reduce__(self):
@@ -517,12 +507,21 @@ class SamplingClient(tinker.SamplingClient):
         return None
 
 
+def _weights_snapshot(s: Session, checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """A full fine-tuning snapshot (parameter name -> tensor, in the model's dtype) of a Hugging Face
+    checkpoint directory, for a sampler of those weights."""
+    from weights_vllm_compat import load_model
+
+    ref = load_model(checkpoint_dir, dtype=next(s.model.parameters()).dtype, backend="reference")
+    return {n: p.detach() for n, p in ref.named_parameters()}
+
+
 def _sequence(seq_id: str, smp, strings: list[str], s: Session) -> types.SampledSequence:
     """A sampled completion as Tinker's SampledSequence; string stops cut it after the token that
     completes the stop string (the engine samples in token ids and does not see strings)."""
     tokens, lps, reason = list(smp.completion_ids), smp.logprobs.float().numpy(), smp.finish_reason or "length"
-    if strings:
-        tok = _tokenizer(s)
+    tok = _tokenizer(s) if strings else None
+    if strings and any(x in tok.decode(tokens) for x in strings):  # then find the token that completes it
         for i in range(len(tokens)):
             text = tok.decode(tokens[:i + 1])
             if any(x in text for x in strings):
