@@ -45,23 +45,28 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     from ..core.errors import log_to_stdout
 
-    log_to_stdout("%(asctime)s %(name)s %(levelname)s %(message)s")
-    install()
-    if argv[0] == "-m":
-        if len(argv) < 2:
-            print("spirl.tinker: error: -m needs a module name", file=sys.stderr)
-            return 2
-        sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        return 0
-    script = os.path.abspath(argv[0])
-    if not os.path.isfile(script):
+    if argv[0] == "-m" and len(argv) < 2:
+        print("spirl.tinker: error: -m needs a module name", file=sys.stderr)
+        return 2
+    if argv[0] != "-m" and not os.path.isfile(argv[0]):
         print(f"spirl.tinker: error: no script {argv[0]}; usage: python -m spirl.tinker SCRIPT.py [ARGS...]",
               file=sys.stderr)
         return 2
-    sys.argv = [script, *argv[1:]]
-    sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT.py` does
-    runpy.run_path(script, run_name="__main__")
+    log_to_stdout("%(asctime)s %(name)s %(levelname)s %(message)s")
+    install()
+    from .clients import close_session
+
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(argv[0])
+            sys.argv = [script, *argv[1:]]
+            sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT.py` does
+            runpy.run_path(script, run_name="__main__")
+    finally:  # the engine is closed on every way out, errors and Ctrl-C included (vLLM's process group with it)
+        close_session()
     return 0
 
 

@@ -173,6 +173,8 @@ class Session:
     def _close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+            self.engine = None
+            log.info("Tinker backend closed (engine closed)")
 
     # -- weights versions ---------------------------------------------------------------------------------------
 
@@ -299,37 +301,47 @@ class Session:
             tokens, targets, fields = datum_arrays(d, i, needed=() if custom else losses.INPUTS[loss_fn])
             seqs.append(Sample(tokens[:1], tokens[1:] + [int(targets[-1])], torch.empty(0)))
             inputs.append((targets, fields))
-        # micro-batches of whole datums (one each on the native engine: see NativeEngine.one_per_forward);
-        # the user's custom loss sees all datums at once
+        # micro-batches of whole datums (one each on the native engine: see NativeEngine.one_per_forward).
+        # A custom callable sees every datum at once: its micro-batches' logprobs (and their graphs) are
+        # gathered and it runs once, then one backward. A per-datum loss (a LossHandle) runs per micro-batch.
+        whole = custom is not None and not getattr(custom, "per_datum", False)
         budget = 0 if getattr(self.engine, "one_per_forward", False) else self.cfg.max_tokens_per_microbatch
         batches, start = [], 0
         while start < len(seqs):
             end, used = start, 0
-            while end < len(seqs) and (custom is not None or end == start or used + len(seqs[end].ids) <= budget):
+            while end < len(seqs) and (end == start or used + len(seqs[end].ids) <= budget):
                 used += len(seqs[end].ids)
                 end += 1
             batches.append(slice(start, end))
             start = end
-        out_lps, total, metrics, compared, different = [], 0.0, None, 0, 0
+        out_lps, total, metrics, compared, different, gathered = [], 0.0, None, 0, 0, []
         self.fb_calls += 1
+
+        def apply(value) -> float:
+            if backward:
+                value.backward()
+                self.policy.grads_to_masters()
+            return float(value.detach().sum())
         try:
-            for sl in batches:
-                with torch.set_grad_enabled(backward):
+            with torch.set_grad_enabled(backward):
+                for sl in batches:
                     lp, sizes = self._logprobs(seqs[sl], inputs[sl])
                     on_host = list(lp.detach().float().cpu().split(sizes))
                     c, d = self.check_parity(data[sl], seqs[sl], on_host)
                     compared, different = compared + c, different + d
-                    if custom is not None:
-                        value, metrics = custom(data, list(lp.split(sizes)))
+                    out_lps += on_host
+                    if whole:
+                        gathered += list(lp.split(sizes))
+                    elif custom is not None:
+                        value, metrics = custom(data[sl], list(lp.split(sizes)))
+                        total += apply(value)
                     else:  # every loss is a sum over tokens: one call over the micro-batch's tokens
                         keys = losses.INPUTS[loss_fn]
-                        value = losses.loss(loss_fn, lp, {k: torch.cat([f[k] for _, f in inputs[sl]]).to(lp.device)
-                                                          for k in keys}, config)
-                    if backward:
-                        value.backward()
-                        self.policy.grads_to_masters()
-                total += float(value.detach().sum())
-                out_lps += on_host
+                        total += apply(losses.loss(loss_fn, lp, {k: torch.cat([f[k] for _, f in inputs[sl]]).to(
+                            lp.device) for k in keys}, config))
+                if whole:
+                    value, metrics = custom(data, gathered)
+                    total += apply(value)
         except ParityError:
             self.policy.optimizer.zero_grad(set_to_none=True)  # nothing of a step that failed parity is applied
             raise

@@ -3,8 +3,14 @@
 They subclass the SDK's classes (so `isinstance` checks in user code hold) without the SDK's
 network session, take and return the SDK's own `tinker.types`, and return the SDK's own futures
 (`AwaitableConcurrentFuture`: `.result()`, `await`, `.result_async()`); every `_async` twin is
-there, with the SDK's return conventions. The work runs in spirl/tinker/backend.py. SPIRL
-additions: `ServiceClient.create_full_training_client` (full fine-tuning; Tinker trains LoRA only).
+there, with the SDK's return conventions and deprecation warnings. Client creators return what the
+SDK's return: `BackcompatTrainingClientFuture` / `BackcompatSamplingClientFuture`, one object that
+is a future of the client and (deprecated, with the SDK's FutureWarning) the client itself, so the
+classic style `tc = service.create_lora_training_client(...); tc.forward_backward(...)` runs.
+Every public member of the SDK's classes is implemented or refused in one line
+(spirl/tinker/surface.py; the tables `REFUSED_*` below and in rest.py). The work runs in
+spirl/tinker/backend.py. SPIRL additions: `ServiceClient.create_full_training_client` (full
+fine-tuning; Tinker trains LoRA only).
 
 Checkpoint paths are Tinker's, `tinker://<run>/weights/<name>` (save_state: the policy, AdamW and
 RNG states; bit-exact load_state) and `tinker://<run>/sampler_weights/<name>` (a PEFT adapter for
@@ -18,7 +24,7 @@ import json
 import logging
 import shutil
 import uuid
-from datetime import datetime, timezone
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +32,14 @@ import tinker
 import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+from tinker.lib.public_interfaces.backcompat_sampling_client_future import BackcompatSamplingClientFuture
+from tinker.lib.public_interfaces.backcompat_training_client_future import BackcompatTrainingClientFuture
+from tinker.lib.public_interfaces.custom_loss import LossHandle, trace_loss
 
 from ..engines.base import Request
-from . import losses
+from . import losses, rest
 from .backend import TRAIN_TARGETS, BackendConfig, Session
+from .surface import sdk_surface
 
 log = logging.getLogger("spirl.tinker")
 
@@ -41,10 +51,33 @@ class APIError(ValueError):
     """A call this backend cannot serve; one line saying why (ValueError, as the cookbook expects)."""
 
 
-def _future(value) -> AwaitableConcurrentFuture:
+def done_future(value) -> AwaitableConcurrentFuture:
+    """The SDK's future, already holding `value`."""
     f = cf.Future()
     f.set_result(value)
     return AwaitableConcurrentFuture(f)
+
+
+
+def _training_future(fut: AwaitableConcurrentFuture) -> BackcompatTrainingClientFuture:
+    """What the SDK's training-client creators return: a future that is also (deprecated) the client."""
+    return BackcompatTrainingClientFuture(fut)
+
+
+def close_session() -> None:
+    """Close the process's backend (the engine first): on `ServiceClient.close`, and on every exit of
+    `python -m spirl.tinker`, errors included."""
+    global _SESSION
+    if _SESSION is not None:
+        session, _SESSION = _SESSION, None
+        session.close()
+
+
+def server_capabilities() -> types.GetServerCapabilitiesResponse:
+    name = _SESSION.base_model if _SESSION else "a local Qwen3 checkpoint directory or Hub id"
+    limit = _SESSION.cfg.max_model_len if _SESSION else BackendConfig.from_env().max_model_len
+    return types.GetServerCapabilitiesResponse(supported_models=[types.SupportedModel(
+        model_name=name, max_context_length=limit, trainable=True, sampleable=True)])
 
 
 def _on_worker(session: Session, fn, *args) -> AwaitableConcurrentFuture:
@@ -79,6 +112,7 @@ def _session(base_model: str, lora, seed: int | None) -> Session:
                            f"one base model per process, not also {base_model!r}")
         return _SESSION
     model_dir = resolve_model(base_model, str(Path(cfg.root) / "models"))
+    rest.sweep_expired(Path(cfg.root))
     _SESSION = Session(cfg, base_model, model_dir, lora, 0 if seed is None else seed).start()
     return _SESSION
 
@@ -102,13 +136,27 @@ def _lora_init(base_model: str, rank: int, targets):
 
 # -- ServiceClient ------------------------------------------------------------------------------------------------
 
+REFUSED_SERVICE = {
+    "get_console_url": "there is no web console for a local run (logs: <SPIRL_TINKER_DIR>/<run>/)",
+    "copy_weights": "copies between projects of the hosted service; the local store has no projects",
+    "holder": "the SDK's network session holder; SPIRL's local backend has no network session",
+}
 
+
+def _check_optimizer(optimizer) -> None:
+    if optimizer is not None and getattr(optimizer, "type", "adamw") != "adamw":
+        raise APIError(f"optimizer {optimizer.type!r}: SPIRL trains with AdamW only (Tinker does not publish the "
+                       "Dimuon update rule); pass optimizer=None or types.AdamOptimizerConfig()")
+
+
+@sdk_surface(tinker.ServiceClient, REFUSED_SERVICE)
 class ServiceClient(tinker.ServiceClient):
     """Creates training and sampling clients on this machine. Arguments the hosted service reads
     (base_url, api_key, project_id, user_metadata, ...) are accepted and ignored."""
 
-    def __init__(self, *args, **kwargs):  # noqa: D107 - no network session, nothing to set up
-        pass
+    def __init__(self, *args, user_metadata=None, **kwargs):  # noqa: D107 - no network session to set up
+        self.session_id = f"session-{uuid.uuid4().hex[:8]}"
+        self._user_metadata = dict(user_metadata or {})
 
     def __enter__(self):
         return self
@@ -117,20 +165,14 @@ class ServiceClient(tinker.ServiceClient):
         self.close("success" if exc_type is None else "errored").result()
 
     def close(self, status="success", detail=None):
-        global _SESSION
-        if _SESSION is not None:
-            _SESSION.close()
-            _SESSION = None
-        return _future(None)
+        close_session()
+        return done_future(None)
 
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
-        name = _SESSION.base_model if _SESSION else "a local Qwen3 checkpoint directory or Hub id"
-        limit = _SESSION.cfg.max_model_len if _SESSION else BackendConfig.from_env().max_model_len
-        return types.GetServerCapabilitiesResponse(supported_models=[types.SupportedModel(
-            model_name=name, max_context_length=limit, trainable=True, sampleable=True)])
+        return server_capabilities()
 
     async def get_server_capabilities_async(self):
-        return self.get_server_capabilities()
+        return server_capabilities()
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
@@ -138,42 +180,62 @@ class ServiceClient(tinker.ServiceClient):
         """LoRA (alpha 32) on the modules the switches name: attention (q, k, v, o), MLP (gate, up,
         down), unembed (lm_head: with tied embeddings it gets its own output weight, the input
         embedding stays frozen)."""
+        _check_optimizer(optimizer)
         lora = _lora_init(base_model, rank, _switch_targets(train_attn, train_mlp, train_unembed))
-        return _future(TrainingClient(_attach(base_model, lora, seed), user_metadata))
+        return _training_future(done_future(TrainingClient(self._attach(base_model, lora, seed, user_metadata),
+                                                           user_metadata)))
 
     async def create_lora_training_client_async(self, *args, **kwargs):
-        return self.create_lora_training_client(*args, **kwargs).result()
+        return await self.create_lora_training_client(*args, **kwargs)
 
     def create_full_training_client(self, base_model: str, seed: int | None = None, user_metadata=None):
         """SPIRL's addition: full fine-tuning (fp32 masters, AdamW on every weight)."""
-        return _future(TrainingClient(_attach(base_model, None, seed), user_metadata))
+        return _training_future(done_future(TrainingClient(self._attach(base_model, None, seed, user_metadata),
+                                                           user_metadata)))
 
     def create_training_client_from_state(self, path: str, base_model=None, user_metadata=None,
                                           weights_access_token=None, optimizer=None):
-        return self._from_state(path, False, user_metadata)
+        _check_optimizer(optimizer)
+        return _training_future(self._from_state(path, False, base_model, user_metadata))
 
     def create_training_client_from_state_with_optimizer(self, path: str, base_model=None, user_metadata=None,
                                                          weights_access_token=None):
-        return self._from_state(path, True, user_metadata)
+        return _training_future(self._from_state(path, True, base_model, user_metadata))
 
     async def create_training_client_from_state_async(self, *a, **kw):
-        return self.create_training_client_from_state(*a, **kw).result()
+        return await self.create_training_client_from_state(*a, **kw)
 
     async def create_training_client_from_state_with_optimizer_async(self, *a, **kw):
-        return self.create_training_client_from_state_with_optimizer(*a, **kw).result()
+        return await self.create_training_client_from_state_with_optimizer(*a, **kw)
 
-    def _from_state(self, path: str, with_optimizer: bool, user_metadata):
+    def _from_state(self, path: str, with_optimizer: bool, base_model, user_metadata):
         state = _read_state(local_path(path))
+        if base_model is not None and base_model not in (state["base_model"], state.get("model_dir")):
+            raise APIError(f"{path} was trained from {state['base_model']!r}, not {base_model!r}")
         lora = None
         if state.get("lora"):
             lora = _lora_init(state["base_model"], state["lora"]["rank"], state["lora"]["targets"])
-        client = TrainingClient(_attach(state["base_model"], lora, state.get("seed")), user_metadata or
-                                state.get("user_metadata"))
-        client.load_state(path, with_optimizer).result()
-        return _future(client)
+        metadata = user_metadata or state.get("user_metadata")
+        client = TrainingClient(self._attach(state["base_model"], lora, state.get("seed"), metadata), metadata)
+
+        def load() -> TrainingClient:
+            client._load_state(path, with_optimizer)
+            return client
+        return client._submit(load)
+
+    def _attach(self, base_model: str, lora, seed, user_metadata):
+        session = _attach(base_model, lora, seed)
+        meta = {**_session_state(session), "user_metadata": dict(user_metadata or {}), "session_id": self.session_id}
+        rest.record_run(Path(session.cfg.root), session.run_id, meta)
+        rest.record_session(Path(session.cfg.root), self.session_id, run_id=session.run_id,
+                            user_metadata=self._user_metadata)
+        return session
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
                                retry_config=None, record_stability_info: bool = False):
+        """A sampler of saved sampler weights (`model_path`) or of the base model. Every sampled
+        sequence is recorded (its `sequence_id` is on the response) whether or not
+        `record_stability_info` is set: that record is what the parity check reads."""
         if model_path is None and base_model is None:
             raise ValueError("create_sampling_client needs model_path or base_model")
         if model_path is not None:
@@ -182,18 +244,29 @@ class ServiceClient(tinker.ServiceClient):
             if lora:
                 lora = _lora_init(meta["base_model"], lora["rank"], lora["targets"])
             session = _session(meta["base_model"], lora or None, meta.get("seed"))
-            return _on_worker(session, SamplingClient.from_path, session, model_path)
-        if _SESSION is not None:
-            session = _session(base_model, None, None)  # the same base model, or a one-line refusal
-        else:  # no training client yet: the backend is built as Tinker's default LoRA client would need it
-            session = _session(base_model, _lora_init(base_model, 32, _switch_targets()), None)
-        return _on_worker(session, SamplingClient.of_base, session)
+            fut = _on_worker(session, SamplingClient.from_path, session, model_path)
+        else:
+            if _SESSION is not None:
+                session = _session(base_model, None, None)  # the same base model, or a one-line refusal
+            else:  # no training client yet: the backend is built as Tinker's default LoRA client would need it
+                session = _session(base_model, _lora_init(base_model, 32, _switch_targets()), None)
+            fut = _on_worker(session, SamplingClient.of_base, session)
+        fut.future().add_done_callback(lambda f: f.exception() or rest.record_session(
+            Path(session.cfg.root), self.session_id, sampler_id=f.result().sampler_id))
+        return SamplingClientFuture(fut)
 
     async def create_sampling_client_async(self, *a, **kw):
-        return self.create_sampling_client(*a, **kw).result()
+        return await self.create_sampling_client(*a, **kw)
 
     def create_rest_client(self):
-        return RestClient()
+        return rest.RestClient()
+
+    def create_custom_loss(self, fn, input_ranks):
+        """The SDK's own tracing and checks (`tinker...custom_loss.trace_loss`), then a `LossHandle`
+        of this session. `forward_backward_custom(data, handle)` runs the traced per-datum loss
+        inside the training forward (one forward, micro-batched like the built-in losses), with
+        the parity check as for any loss."""
+        return done_future(trace_loss(fn, input_ranks, self.session_id))
 
     def get_telemetry(self):
         return None
@@ -237,25 +310,45 @@ def _read_state(directory: Path) -> dict:
 
 # -- TrainingClient -----------------------------------------------------------------------------------------------
 
+REFUSED_TRAINING = {
+    "get_console_url": "there is no web console for a local run (logs: <SPIRL_TINKER_DIR>/<run>/)",
+    "save_weights_external": "external weights are the hosted service's encrypted download exports; locally, "
+                             "save_weights_for_sampler writes the adapter (or HF checkpoint) as files under "
+                             "SPIRL_TINKER_DIR",
+    "save_weights_external_async": "external weights are the hosted service's encrypted download exports; locally, "
+                                   "save_weights_for_sampler writes the adapter (or HF checkpoint) as files",
+}
 
+
+@sdk_surface(tinker.TrainingClient, REFUSED_TRAINING)
 class TrainingClient(tinker.TrainingClient):
-    """forward, forward_backward (the losses of spirl/tinker/losses.py, or a custom one), optim_step
-    (AdamW), save/load of state and sampler weights, and sampling clients of its weights."""
+    """forward, forward_backward (the losses of spirl/tinker/losses.py, a custom callable, or a
+    `LossHandle`), optim_step (AdamW), save/load of state and sampler weights, and sampling
+    clients of its weights."""
 
     def __init__(self, session: Session, user_metadata=None):  # noqa: D107
         self._s = session
         self.model_id = session.run_id
         self.user_metadata = dict(user_metadata or {})
 
+    def _submit(self, fn, *args) -> AwaitableConcurrentFuture:
+        return _on_worker(self._s, fn, *args)
+
     # training
     def forward(self, data, loss_fn, loss_fn_config=None):
-        return _on_worker(self._s, self._fb, list(data), loss_fn, loss_fn_config, False)
+        return self._submit(self._fb, list(data), loss_fn, loss_fn_config, False)
 
     def forward_backward(self, data, loss_fn, loss_fn_config=None):
-        return _on_worker(self._s, self._fb, list(data), loss_fn, loss_fn_config, True)
+        return self._submit(self._fb, list(data), loss_fn, loss_fn_config, True)
 
     def forward_backward_custom(self, data, loss_fn, *, loss_type_input=None):
-        return _on_worker(self._s, self._fb, list(data), "custom", None, True, loss_fn)
+        """`loss_fn(data, logprobs_list) -> (loss, metrics)` over all datums at once, or a
+        `LossHandle` from `ServiceClient.create_custom_loss`, run per datum. Either runs inside the
+        one training forward (no separate scoring pass)."""
+        data = list(data)
+        if isinstance(loss_fn, LossHandle):
+            return self._submit(self._fb, data, "custom", None, True, losses.HandleLoss(loss_fn, data))
+        return self._submit(self._fb, data, "custom", None, True, loss_fn)
 
     def _fb(self, data, loss_fn, config, backward, custom=None):
         if custom is None:
@@ -270,33 +363,39 @@ class TrainingClient(tinker.TrainingClient):
     def optim_step(self, optim_params=None, *, adam_params=None):
         adam = adam_params or optim_params or types.AdamParams()
         if not isinstance(adam, types.AdamParams):
-            raise TypeError(f"optim_step takes tinker.types.AdamParams (SPIRL trains with AdamW), got {type(adam).__name__}")
-        return _on_worker(self._s, lambda: types.OptimStepResponse(metrics=self._s.optim_step(adam)))
+            raise APIError(f"optim_step takes tinker.types.AdamParams (SPIRL trains with AdamW; Tinker does not "
+                           f"publish the Dimuon update rule), got {type(adam).__name__}")
+        return self._submit(lambda: types.OptimStepResponse(metrics=self._s.optim_step(adam)))
 
     # checkpoints
     def save_state(self, name: str, ttl_seconds=None, overwrite: bool = False, user_metadata=None):
         path = _tinker_path(self._s.run_id, "weights", name)
-        return _on_worker(self._s, self._save_state, path, user_metadata)
+        return self._submit(self._save_state, path, ttl_seconds, overwrite, user_metadata)
 
-    def _save_state(self, path: str, user_metadata):
+    def _save_state(self, path: str, ttl_seconds, overwrite: bool, user_metadata):
         from ..core import checkpoint as ckpt
 
         s = self._s
+        directory = local_path(path, s.cfg.root)
+        _refuse_existing(directory, path, overwrite)
         adapter = None
         if s.lora is not None:
             from ..core.lora import adapter_writer
 
             adapter = adapter_writer(s.policy, s.train_config, "")
-        ckpt.write_dir(local_path(path, s.cfg.root), s.policy.masters, s.policy.optimizer,
+        ckpt.write_dir(directory, s.policy.masters, s.policy.optimizer,
                        {"step": s.version, **_session_state(s), "user_metadata": {**self.user_metadata,
                                                                                 **(user_metadata or {})}}, adapter)
+        rest.set_ttl(Path(s.cfg.root), path, ttl_seconds) if ttl_seconds is not None else None
         return types.SaveWeightsResponse(path=path)
 
-    def load_state(self, path: str, with_optimizer: bool = False, weights_access_token=None):
-        return _on_worker(self._s, self._load_state, path, with_optimizer)
+    def load_state(self, path: str, weights_access_token=None):
+        """The weights of a save_state checkpoint, bit for bit (the optimizer state is not loaded)."""
+        return self._submit(self._load_state, path, False)
 
     def load_state_with_optimizer(self, path: str, weights_access_token=None):
-        return self.load_state(path, True)
+        """The weights and the AdamW state of a save_state checkpoint, bit for bit."""
+        return self._submit(self._load_state, path, True)
 
     def _load_state(self, path: str, with_optimizer: bool):
         from ..core import checkpoint as ckpt
@@ -304,6 +403,7 @@ class TrainingClient(tinker.TrainingClient):
 
         s = self._s
         directory = local_path(path, s.cfg.root)
+        _read_state(directory)  # a one-line error for a path that holds no state
         s._before_update()
         if with_optimizer:
             resume_into(s.policy, str(directory), s.device)
@@ -319,9 +419,9 @@ class TrainingClient(tinker.TrainingClient):
 
     def save_weights_for_sampler(self, name: str, ttl_seconds=None, user_metadata=None):
         path = _tinker_path(self._s.run_id, "sampler_weights", name)
-        return _on_worker(self._s, self._save_sampler, path)
+        return self._submit(self._save_sampler, path, ttl_seconds, user_metadata)
 
-    def _save_sampler(self, path: str):
+    def _save_sampler(self, path: str, ttl_seconds=None, user_metadata=None):
         import weights
 
         s = self._s
@@ -337,17 +437,23 @@ class TrainingClient(tinker.TrainingClient):
 
                 state = {k: v.detach() for k, v in s.model.state_dict().items()}
                 weights.save_hf_checkpoint(compat_to_hf(state, s.model.args), s.model_dir, tmp / "hf", dtype=None)
-            (tmp / "sampler.json").write_text(json.dumps({**_session_state(s), "version": s.version,
-                                                          "run_id": s.run_id}) + "\n")
+            meta = {**_session_state(s), "version": s.version, "run_id": s.run_id,
+                    "user_metadata": {**self.user_metadata, **(user_metadata or {})}}
+            (tmp / "sampler.json").write_text(json.dumps(meta, sort_keys=True) + "\n")
+        if ttl_seconds is not None:
+            rest.set_ttl(Path(s.cfg.root), path, ttl_seconds)
         return types.SaveWeightsForSamplerResponse(path=path)
 
     # sampling clients
     def save_weights_and_get_sampling_client(self, name=None, retry_config=None, record_stability_info=False,
                                              kind="snapshot"):
-        return _on_worker(self._s, lambda: SamplingClient(self._s, self._s.version))
+        """A sampler of the current weights (`name`, if given, also saves them as sampler weights)."""
+        if name is not None:
+            self.save_weights_for_sampler(name)
+        return SamplingClientFuture(self._submit(lambda: SamplingClient(self._s, self._s.version)))
 
     def create_sampling_client(self, model_path: str, retry_config=None, record_stability_info=False):
-        return _on_worker(self._s, SamplingClient.from_path, self._s, model_path)
+        return SamplingClientFuture(self._submit(SamplingClient.from_path, self._s, model_path))
 
     def get_tokenizer(self):
         return _tokenizer(self._s)
@@ -380,6 +486,12 @@ class TrainingClient(tinker.TrainingClient):
     async def save_weights_for_sampler_async(self, *a, **kw):
         return self.save_weights_for_sampler(*a, **kw)
 
+    async def load_state_async(self, path: str, weights_access_token=None):
+        return self._submit(self._load_state, path, False)
+
+    async def load_state_with_optimizer_async(self, path: str, weights_access_token=None):
+        return self._submit(self._load_state, path, True)
+
     # ... and these the value
     async def get_info_async(self):
         return self.get_info()
@@ -389,6 +501,13 @@ class TrainingClient(tinker.TrainingClient):
 
     async def create_sampling_client_async(self, *a, **kw):
         return await self.create_sampling_client(*a, **kw)
+
+
+def _refuse_existing(directory: Path, path: str, overwrite: bool) -> None:
+    if directory.exists():
+        if not overwrite:
+            raise APIError(f"{path} exists; pass overwrite=True or use another name")
+        shutil.rmtree(directory)
 
 
 def _session_state(s: Session) -> dict:
@@ -407,14 +526,34 @@ def _tokenizer(s: Session):
 
 # -- SamplingClient -----------------------------------------------------------------------------------------------
 
+REFUSED_SAMPLING = {
+    "create": "builds a sampler on the SDK's network session holder; use ServiceClient.create_sampling_client or "
+              "TrainingClient.save_weights_and_get_sampling_client",
+}
 
+_LIVE_SAMPLERS: "weakref.WeakValueDictionary[str, SamplingClient]" = weakref.WeakValueDictionary()
+"""sampler_id -> live SamplingClient of this process (RestClient.get_sampler, sampler handles)."""
+_HANDLE_PREFIX = "spirl-sampler:"
+
+
+def live_sampler(sampler_id: str) -> "SamplingClient":
+    s = _LIVE_SAMPLERS.get(sampler_id)
+    if s is None:
+        raise APIError(f"no live sampler {sampler_id!r} in this process (SPIRL's samplers hold weights on this "
+                       "machine's GPU and live in the process that made them)")
+    return s
+
+
+@sdk_surface(tinker.SamplingClient, REFUSED_SAMPLING)
 class SamplingClient(tinker.SamplingClient):
     """Samples from, and scores with, the weights it was made with. Logprobs are of the model's own
     distribution (no temperature), as forward_backward computes them, bit for bit."""
 
-    def __init__(self, session: Session, version: int):  # noqa: D107
-        self._s, self.version = session, version
+    def __init__(self, session: Session, version: int, model_path: str | None = None):  # noqa: D107
+        self._s, self.version, self.model_path = session, version, model_path
+        self.sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
         session.pin(self, version)
+        _LIVE_SAMPLERS[self.sampler_id] = self
 
     @classmethod
     def of_base(cls, s: Session) -> "SamplingClient":
@@ -435,7 +574,7 @@ class SamplingClient(tinker.SamplingClient):
         directory = local_path(path, s.cfg.root)
         meta = _read_json(directory / "sampler.json", path)
         if meta.get("run_id") == s.run_id and meta.get("version") == s.version:
-            return cls(s, s.version)
+            return cls(s, s.version, path)
         key = f"path:{path}"
         if s.lora is not None:
             from torchtitan_compat.peft_adapter import read_adapter
@@ -444,11 +583,28 @@ class SamplingClient(tinker.SamplingClient):
             s.snapshots[key] = {n: t.to(s.device) for n, t in params.items()}
         else:
             s.snapshots[key] = _weights_snapshot(s, directory / "hf")
-        return cls(s, key)
+        return cls(s, key, path)
 
     def __reduce__(self):
         raise TypeError("SPIRL's SamplingClient lives in its process (its weights are on this GPU); run rollouts "
                         "in-process (rollout_executor=None)")
+
+    def get_sampler_handle(self) -> str:
+        """A string naming this sampler; `SamplingClient.from_sampler_handle` in this process gives a
+        client of the same weights (another process cannot: the weights are in this one)."""
+        return _HANDLE_PREFIX + self.sampler_id
+
+    @staticmethod
+    def from_sampler_handle(handle: str, *, api_key: str | None = None) -> "SamplingClient":
+        if not handle.startswith(_HANDLE_PREFIX):
+            raise APIError(f"{handle[:40]!r}... is not a SPIRL sampler handle (get_sampler_handle of a SPIRL "
+                           "SamplingClient in this process)")
+        live = live_sampler(handle.removeprefix(_HANDLE_PREFIX))
+        return SamplingClient(live._s, live.version, live.model_path)
+
+    def on_queue_state_change(self, queue_state, queue_state_reason) -> None:
+        """The hosted service calls this when sampling pauses (rate limits, capacity); the local
+        backend has no queue, so it is never called. Kept so subclasses that override it work."""
 
     def sample(self, prompt, num_samples: int, sampling_params, include_prompt_logprobs: bool = False,
                topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0, target_prompt_logprobs=None,
@@ -507,6 +663,14 @@ class SamplingClient(tinker.SamplingClient):
         return None
 
 
+class SamplingClientFuture(BackcompatSamplingClientFuture):
+    """What the SDK's sampling-client creators return (a future that is also, deprecated, the
+    client), with the SDK class's static constructors SPIRL's rather than the networked ones."""
+
+    create = SamplingClient.__dict__["create"]
+    from_sampler_handle = SamplingClient.__dict__["from_sampler_handle"]
+
+
 def _weights_snapshot(s: Session, checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """A full fine-tuning snapshot (parameter name -> tensor, in the model's dtype) of a Hugging Face
     checkpoint directory, for a sampler of those weights."""
@@ -536,30 +700,4 @@ def _sequence(seq_id: str, smp, strings: list[str], s: Session) -> types.Sampled
                                  tokens_np=np.asarray(tokens, dtype=np.int32), logprobs_np=np.asarray(lps, np.float32))
 
 
-# -- RestClient ---------------------------------------------------------------------------------------------------
-
-
-class RestClient(tinker.RestClient):
-    """What tinker-cookbook asks of the REST client: a training run by checkpoint path, deleting one."""
-
-    def __init__(self, *args, **kwargs):  # noqa: D107
-        pass
-
-    def get_training_run_by_tinker_path(self, tinker_path: str, access_scope="owned"):
-        directory = local_path(tinker_path)
-        meta_file = next((directory / f for f in ("state.json", "sampler.json") if (directory / f).is_file()), None)
-        if meta_file is None:
-            raise ValueError(f"no checkpoint at {tinker_path} ({directory})")
-        meta = json.loads(meta_file.read_text())
-        lora = meta.get("lora") or {}
-        return _future(types.TrainingRun(
-            training_run_id=types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path).training_run_id,
-            base_model=meta["base_model"], model_owner="local", is_lora=bool(lora), lora_rank=lora.get("rank"),
-            last_request_time=datetime.now(timezone.utc), user_metadata=meta.get("user_metadata") or {}))
-
-    def delete_checkpoint_from_tinker_path(self, tinker_path: str):
-        shutil.rmtree(local_path(tinker_path), ignore_errors=True)
-        return _future(None)
-
-    def get_telemetry(self):
-        return None
+RestClient = rest.RestClient

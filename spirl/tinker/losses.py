@@ -67,3 +67,39 @@ def loss(name: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: d
     if name == "ppo":
         return -torch.minimum(ratio * adv, clipped * adv).sum()
     return -(clipped.detach() * lp * adv).sum()  # cispo
+
+
+class HandleLoss:
+    """A `LossHandle` (ServiceClient.create_custom_loss) run per datum inside the training forward.
+
+    The handle's traced graph (the SDK's `trace_loss`: torch and math only) maps (logprobs [N],
+    *the loss_fn_inputs it names) to (scalar loss, {custom/<name>:sum|mean: scalar}). The datum
+    losses are summed, as the SDK's client-side `run_loss_handle` does; metrics ending in `:sum` are
+    summed over datums, `:mean` averaged. Being per datum, the loss is micro-batched like the
+    built-in ones (a callable passed to forward_backward_custom sees every datum at once). The SDK's
+    own `check_loss_inputs` validates the data up front (a one-line error at the call).
+    """
+
+    per_datum = True
+
+    def __init__(self, handle, data):
+        from tinker.lib.public_interfaces.custom_loss import check_loss_inputs
+
+        if handle.inputs[0].rank != 1:
+            raise LossError(f"custom loss {handle.name!r} takes logprobs of rank {handle.inputs[0].rank}; SPIRL's "
+                            "backend computes the target token's logprob ([T], rank 1), not top-k ([T, K])")
+        check_loss_inputs(handle, data)
+        self.handle, self.datums, self._sums = handle, len(data), {}
+
+    def __call__(self, data, logprobs_list: list[torch.Tensor]):
+        total = None
+        for d, lp in zip(data, logprobs_list, strict=True):
+            inputs = [d.loss_fn_inputs[k].to_torch().to(lp.device) for k in self.handle.input_names]
+            loss, metrics = self.handle.graph(lp, *inputs)
+            if loss.ndim != 0:
+                raise LossError(f"custom loss {self.handle.name!r} must return a scalar loss, got shape "
+                                f"{tuple(loss.shape)}")
+            total = loss if total is None else total + loss
+            for k, v in metrics.items():
+                self._sums[k] = self._sums.get(k, 0.0) + float(v.detach())
+        return total, {k: v / self.datums if k.endswith(":mean") else v for k, v in self._sums.items()}
