@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import shutil
-import struct
 import sys
 import tempfile
 import traceback
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_compat.lora import LoRAError
+from torchtitan_compat.safetensors_io import save_tensors, write_safetensors
 from torchtitan_compat.config import (
     SHAPES,
     ConfigError,
@@ -47,7 +47,6 @@ QWEN3_GENERATION_CONFIG = {
     "bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
     "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
 }
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _CONFIG_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _CLI_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -291,37 +290,6 @@ def resolve_model_dir(model: str = DEFAULT_MODEL, local_dir: str | Path | None =
 # Writing random checkpoints
 
 
-def _write_safetensors_streaming(path: Path, shapes: dict, dtype: torch.dtype,
-                                 make_tensor: Callable[[str, tuple], torch.Tensor]) -> None:
-    """Write a safetensors file one tensor at a time, so memory stays at one tensor.
-
-    The format is an 8-byte little-endian header length, a JSON header giving each tensor's
-    dtype, shape and byte range, then the raw little-endian bytes back to back.
-    """
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # pad like the reference writer, keeping tensor data 8-aligned
-    report_every = offset // 10 if offset > 1 << 30 else None  # progress only for big files
-    written, next_report = 0, report_every
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name, shape in shapes.items():
-            t = make_tensor(name, shape).to(dtype).contiguous()
-            f.write(t.view(torch.uint8).numpy().data)
-            written += t.numel() * itemsize
-            if report_every and written >= next_report:
-                logger.info("wrote %.1f of %.1f GB (%d%%)", written / 1e9, offset / 1e9, 100 * written // offset)
-                while next_report <= written:
-                    next_report += report_every
-
-
 def random_tensor_maker(seed: int) -> Callable[[str, tuple], torch.Tensor]:
     """Deterministic random weights drawn in a fixed order from one seeded CPU generator.
 
@@ -344,8 +312,8 @@ def write_random_checkpoint(out_dir: str | Path, shape: str, num_layers: int | N
     directory next to `out_dir` and renamed into place, so `out_dir` is never half-written."""
     from torchtitan_compat.tokenizer import save_qwen3_tokenizer
 
-    if dtype not in _SAFETENSORS_DTYPES:
-        raise WeightsError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, _SAFETENSORS_DTYPES))}")
+    if dtype not in _CONFIG_DTYPE_NAMES:
+        raise WeightsError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, _CONFIG_DTYPE_NAMES))}")
     try:
         cfg = hf_config_for_shape(shape, num_layers)
     except ConfigError as e:
@@ -364,7 +332,9 @@ def write_random_checkpoint(out_dir: str | Path, shape: str, num_layers: int | N
     with atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(QWEN3_GENERATION_CONFIG, indent=2) + "\n")
-        _write_safetensors_streaming(tmp / "model.safetensors", shapes, dtype, random_tensor_maker(seed))
+        make = random_tensor_maker(seed)
+        write_safetensors(tmp / "model.safetensors", {k: (dtype, s) for k, s in shapes.items()},
+                          lambda name: make(name, shapes[name]), {"format": "pt"})
         save_qwen3_tokenizer(tmp)
     return out
 
@@ -390,8 +360,6 @@ def save_hf_checkpoint(hf_sd: dict, src_dir: str | Path, out: str | Path, dtype:
     """Write an HF checkpoint: `hf_sd` as model.safetensors (in `dtype`; None keeps each tensor's)
     plus every other file of `src_dir` (config, generation config, tokenizer; not its weights),
     atomically. `config`: a config.json to write instead of src_dir's."""
-    from safetensors.torch import save_file
-
     src_dir, out = Path(src_dir), Path(out)
     with atomic_directory(out) as tmp:
         for f in src_dir.iterdir():
@@ -399,8 +367,8 @@ def save_hf_checkpoint(hf_sd: dict, src_dir: str | Path, out: str | Path, dtype:
                 shutil.copy2(f, tmp / f.name)
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file({k: (v.detach() if dtype is None else v.detach().to(dtype)).contiguous().cpu()
-                   for k, v in hf_sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(tmp / "model.safetensors", {k: v if dtype is None else v.detach().to(dtype)
+                                                 for k, v in hf_sd.items()}, {"format": "pt"})
     return out
 
 

@@ -8,7 +8,7 @@ the results are shared. Failures a CPU machine cannot produce are simulated from
 product code: a fake `vllm` package on PYTHONPATH (missing, wrong version, right version),
 CUDA_VISIBLE_DEVICES="" (no GPU even on a GPU box), an unreachable HF_ENDPOINT (no network), and
 small wrapper scripts that patch a library function before running the entry point (a full disk:
-safetensors' save_file raises ENOSPC; a small GPU: torch.cuda reports a 3 GiB device).
+the checkpoint's safetensors writer raises ENOSPC; a small GPU: torch.cuda reports a 3 GiB device).
 """
 
 from __future__ import annotations
@@ -65,14 +65,14 @@ PATCHES = {
     # a disk that fills while step 2's checkpoint is written (steps 1's three files are written)
     "enospc": '''
 import errno
-import safetensors.torch as st
-_real, _calls = st.save_file, [0]
-def _save_file(tensors, filename, *a, **kw):
+import torchtitan_compat.safetensors_io as st
+_real, _calls = st.write_safetensors, [0]
+def _write(path, *a, **kw):
     _calls[0] += 1
     if _calls[0] >= 4:
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
-    return _real(tensors, filename, *a, **kw)
-st.save_file = _save_file
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    return _real(path, *a, **kw)
+st.write_safetensors = _write
 ''',
     # a 3 GiB GPU, as torch.cuda would report it (nothing reaches CUDA: the plan refuses first)
     "small_gpu": '''

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .lora import GROUPS, TARGETS, LoRAError, LoRASpec, check_spec, target_shapes
+from .safetensors_io import save_tensors
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +98,21 @@ def write_adapter(out_dir: str | Path, params: dict[str, torch.Tensor], spec: Lo
     """Write `params` (our names -> A/B tensors, saved in float32) as a PEFT adapter in `out_dir`
     (which must exist; callers write into a temporary directory and rename it). The config is
     peft's `LoraConfig(...).save_pretrained`; `metadata` goes into the safetensors header (PEFT
-    and vLLM ignore it; spirl records the base model's fingerprint there)."""
+    and vLLM ignore it; spirl records the base model's fingerprint there). Equal adapters are equal
+    bytes (a resumed run's checkpoint is the uninterrupted one's, file for file): the header is
+    written with sorted keys (torchtitan_compat.safetensors_io), and target_modules is written as
+    our ordered list, not as the set LoraConfig makes of it (a set of strings is listed in an order
+    that changes from one Python process to the next)."""
     from peft import LoraConfig
-    from safetensors.torch import save_file
 
     out = Path(out_dir)
-    LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=0.0, bias="none",
-               use_rslora=spec.use_rslora, task_type="CAUSAL_LM", base_model_name_or_path=base_model or None,
-               inference_mode=True).save_pretrained(str(out))
-    save_file({peft_key(k): v.detach().float().cpu().contiguous() for k, v in params.items()},
-              str(out / WEIGHTS_FILE), metadata={"format": "pt", **(metadata or {})})
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=0.0,
+                        bias="none", use_rslora=spec.use_rslora, task_type="CAUSAL_LM",
+                        base_model_name_or_path=base_model or None, inference_mode=True)
+    config.target_modules = list(spec.targets)
+    config.save_pretrained(str(out))
+    save_tensors(out / WEIGHTS_FILE, {peft_key(k): v.detach().float() for k, v in params.items()},
+                 {"format": "pt", **(metadata or {})})
     return out
 
 

@@ -13,7 +13,10 @@ A step directory is written under a temporary name and renamed into place (atomi
 filesystem); `latest` is then replaced with os.replace. A crash at any point leaves the previous
 checkpoint intact and `latest` pointing to it; a write that fails (a full disk) removes the
 temporary directory and says so in one line (exit status 6). The newest KEEP complete checkpoints
-are kept. Everything is loaded with safetensors / JSON (no pickle); a checkpoint that cannot be
+are kept. Equal state is equal bytes, file for file (a resumed run's checkpoint is the uninterrupted
+run's): safetensors written by torchtitan_compat.safetensors_io, JSON with sorted keys, no times;
+what differs between the two runs (--resume, --steps, the run's paths) is recorded in the run's
+logs, not here (spirl.core.config.RUN_ONLY_FIELDS). Everything is loaded with safetensors / JSON (no pickle); a checkpoint that cannot be
 read (truncated, missing files, not JSON) is a CheckpointError naming the file, found by
 `inspect` from the headers alone before anything is loaded.
 """
@@ -30,7 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from torchtitan_compat.safetensors_io import save_tensors
 
 KEEP = 2
 
@@ -40,7 +45,8 @@ class CheckpointError(ValueError):
 
 
 def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=1) + "\n")
+    """Keys sorted: equal contents, equal bytes."""
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -99,13 +105,13 @@ def write_dir(final: Path, masters: dict[str, torch.Tensor], optimizer, state: d
         if adapter is not None:
             adapter(tmp)
         else:
-            save_file({k: v.detach().cpu().contiguous() for k, v in masters.items()}, str(tmp / "model.safetensors"))
+            save_tensors(tmp / "model.safetensors", masters)
         opt_tensors, groups = optimizer if isinstance(optimizer, tuple) else optimizer_tensors(optimizer)
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        save_tensors(tmp / "optimizer.safetensors", opt_tensors)
         rng = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-        save_file(rng, str(tmp / "rng.safetensors"))
+        save_tensors(tmp / "rng.safetensors", rng)
         py_state = random.getstate()
         _write_json(tmp / "state.json", {**state, "param_groups": groups,
                                           "python_rng": [py_state[0], list(py_state[1]), py_state[2]]})

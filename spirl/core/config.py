@@ -262,3 +262,16 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def to_dict(cfg: TrainConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+RUN_ONLY_FIELDS = frozenset({"steps", "run_name", "resume", "out_dir", "checkpoint_dir", "checkpoint_every",
+                             "eval_every", "eval_pass_k", "save_rollouts", "debug"})
+"""Fields that say where a run writes, how its process was started, how long it runs and how often it
+reports, not what it trains. A checkpoint leaves them out of the config it records, so that the same
+training state is the same bytes whether the run was interrupted and resumed (--resume, another
+--steps) or not; the run's run_metadata.json records every field."""
+
+
+def checkpoint_dict(cfg: TrainConfig) -> dict:
+    """The config a checkpoint records: every field but RUN_ONLY_FIELDS."""
+    return {k: v for k, v in to_dict(cfg).items() if k not in RUN_ONLY_FIELDS}

@@ -35,7 +35,7 @@ import torch
 
 from ..core import checkpoint as ckpt
 from . import trainer
-from ..core.config import TrainConfig, to_dict
+from ..core.config import TrainConfig, checkpoint_dict, to_dict
 from ..core.distributed import World, check_distributed_config, check_distributed_task, init_world, launched_by_torchrun
 from ..core.errors import UserError
 from .evaluation import evaluate, require_eval_set
@@ -64,7 +64,7 @@ def save_checkpoint(cfg: TrainConfig, policy: Policy, step: int, model_dir: Path
     """Collective when sharded: every rank gathers, rank 0 writes the one-GPU format (so the run
     resumes on any number of GPUs), and a failed write fails every rank."""
     world = policy.world
-    state = {"config": to_dict(cfg), "model_dir": str(model_dir), "world_size": world.size}
+    state = {"config": checkpoint_dict(cfg), "model_dir": str(model_dir), "world_size": world.size}
     if reference is not None:
         state["reference"] = reference
     masters = {name: world.full_cpu(p) for name, p in policy.masters.items()}
