@@ -72,7 +72,8 @@ class ScriptedEngine:
 
 
 def test_evaluate_counts_greedy_accuracy_and_pass_at_k(task):
-    cfg = SimpleNamespace(max_new_tokens=6, eval_pass_k=3, temperature=1.0, min_p=0.0, top_k=-1, top_p=1.0)
+    cfg = SimpleNamespace(max_new_tokens=6, eval_pass_k=3, eval_size=0, temperature=1.0, min_p=0.0, top_k=-1,
+                          top_p=1.0)
     # greedy: right exactly on the problems without a carry; samples: the right answer third
     engine = ScriptedEngine(task, lambda m: arith.carry_free_sum(m["a"], m["b"]),
                             lambda m: [m["answer"] + 1, m["answer"] + 2, m["answer"]])
@@ -84,12 +85,38 @@ def test_evaluate_counts_greedy_accuracy_and_pass_at_k(task):
     assert evaluate(engine, task, cfg)["eval/pass@3"] == 0.0
 
 
+def test_eval_size_limits_the_evaluated_problems(task):
+    """--eval-size 7: the first 7 held-out problems are answered (greedy and pass@k), and the scalars are of those."""
+    cfg = SimpleNamespace(max_new_tokens=6, eval_pass_k=2, eval_size=7, temperature=1.0, min_p=0.0, top_k=-1,
+                          top_p=1.0)
+    engine = ScriptedEngine(task, lambda m: m["answer"], lambda m: [m["answer"]] * 2)
+    asked = []
+    greedy, generate = engine.greedy, engine.generate
+    engine.greedy = lambda prompts, **kw: asked.append(("greedy", prompts)) or greedy(prompts, **kw)
+    engine.generate = lambda prompts, **kw: asked.append(("sampled", prompts)) or generate(prompts, **kw)
+    out = evaluate(engine, task, cfg)
+    first = [ids for ids, _ in task.eval_problems()[:7]]
+    assert asked == [("greedy", first), ("sampled", first)]
+    assert out == {"eval/accuracy": 1.0, "eval/pass@2": 1.0}
+    engine.greedy = lambda prompts, **kw: [[0]] * 6 + greedy(prompts[6:], **kw)  # wrong on 6 of the 7
+    assert evaluate(engine, task, cfg)["eval/accuracy"] == 1 / 7
+
+
 def test_eval_every_refused_for_a_task_without_eval_set():
     from spirl.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="no held-out eval set"):
         require_eval_set(SimpleNamespace(name="synthetic"), SimpleNamespace(eval_every=5, task="synthetic"))
     require_eval_set(SimpleNamespace(), SimpleNamespace(eval_every=0, task="synthetic"))
+
+
+def test_eval_size_larger_than_the_eval_set_is_refused(task):
+    from spirl.core.config import ConfigError
+
+    cfg = SimpleNamespace(eval_every=5, task="arith", eval_size=arith.EVAL_SIZE + 1)
+    with pytest.raises(ConfigError, match=f"--eval-size {arith.EVAL_SIZE + 1}: task 'arith' has {arith.EVAL_SIZE} "):
+        require_eval_set(task, cfg)
+    require_eval_set(task, SimpleNamespace(eval_every=5, task="arith", eval_size=arith.EVAL_SIZE))
 
 
 def test_native_greedy_is_the_argmax_of_the_trainer_forward(tiny_ckpt, task):

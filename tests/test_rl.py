@@ -207,6 +207,7 @@ def test_nan_loss_stops(tiny_ckpt, tmp_path, monkeypatch):
     (["--clip-eps", "1.5"], "clip_eps"),
     (["--prompts-per-step", "3", "--group-size", "2", "--updates-per-batch", "4"], "updates_per_batch"),
     (["--steps", "two"], "--steps"),
+    (["--eval-size", "-1"], "eval_size must be >= 1, or 0 for the task's whole held-out set"),
     (["--engine", "native", "--model", "/no/such/dir", "--dtype", "float32"], "does not exist"),
 ])
 def test_bad_config_one_line_error(args, needle, tmp_path):

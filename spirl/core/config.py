@@ -133,6 +133,9 @@ class TrainConfig:
     """Evaluate on the task's held-out set every N steps (and before the first step); 0 = never."""
     eval_pass_k: int = 0
     """With --eval-every: also sample k completions per eval problem and log eval/pass@k; 0 = greedy only."""
+    eval_size: int = 0
+    """With --eval-every: evaluate on the first N problems of the task's held-out set (the same N at every
+    eval; a smaller N makes --eval-every affordable on a CPU); 0 = the whole held-out set."""
     debug: int = 0
     """1 = print the full traceback of every error (also SPIRL_DEBUG=1); by default an expected error is one line."""
 
@@ -169,6 +172,7 @@ class TrainConfig:
              "distribution bit for bit (with raw, training on truncated samples is off-policy)"),
             (self.eval_every >= 0, "eval_every must be >= 0"),
             (self.eval_pass_k >= 0, "eval_pass_k must be >= 0"),
+            (self.eval_size >= 0, "eval_size must be >= 1, or 0 for the task's whole held-out set"),
             (self.checkpoint_every >= 0, "checkpoint_every must be >= 0"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              "device must be auto, cpu, cuda or cuda:N"),
@@ -265,7 +269,7 @@ def to_dict(cfg: TrainConfig) -> dict:
 
 
 RUN_ONLY_FIELDS = frozenset({"steps", "run_name", "resume", "out_dir", "checkpoint_dir", "checkpoint_every",
-                             "eval_every", "eval_pass_k", "save_rollouts", "debug"})
+                             "eval_every", "eval_pass_k", "eval_size", "save_rollouts", "debug"})
 """Fields that say where a run writes, how its process was started, how long it runs and how often it
 reports, not what it trains. A checkpoint leaves them out of the config it records, so that the same
 training state is the same bytes whether the run was interrupted and resumed (--resume, another
