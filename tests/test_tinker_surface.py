@@ -400,3 +400,32 @@ def test_a_failing_script_closes_the_engine(tiny_ckpt, tmp_path):
     r = launch(tmp_path, script, tiny_ckpt)
     assert r.returncode != 0 and "the user script failed" in r.stderr
     assert "engine closed" in r.stdout
+
+
+def test_runs_of_one_prompt_and_consecutive_seeds_go_as_one_request():
+    """Session._sample on an engine that seeds children (vLLM): a group's one-sample requests become
+    one request of n, split back in order; anything else (another prompt, settings, a seed gap)
+    starts a new engine request. The bits are vLLM's claim, checked on the GPU
+    (tests/gpu/test_tinker_gpu.py::test_one_request_of_n_is_n_requests_of_consecutive_seeds)."""
+    from spirl.engines.base import Request, Sample
+    from spirl.tinker.backend import Session
+
+    class Engine:
+        seeds_children = True
+
+        def __init__(self):
+            self.calls = []
+
+        def sample(self, reqs):
+            self.calls.append(reqs)
+            return [[Sample(r.prompt, [r.seed + i], torch.zeros(1)) for i in range(r.n)] for r in reqs]
+
+    session = Session.__new__(Session)
+    session.engine = Engine()
+    a, b = [1, 2, 3], [4, 5]
+    reqs = [Request(a, seed=10), Request(a, seed=11), Request(a, n=2, seed=12), Request(b, seed=14),
+            Request(b, seed=15, temperature=0.5), Request(b, seed=17, temperature=0.5), Request(a, seed=18)]
+    out = session._sample(reqs)
+    sent = session.engine.calls[0]
+    assert [(r.prompt, r.n, r.seed) for r in sent] == [(a, 4, 10), (b, 1, 14), (b, 1, 15), (b, 1, 17), (a, 1, 18)]
+    assert [[s.completion_ids[0] for s in g] for g in out] == [[10], [11], [12, 13], [14], [15], [17], [18]]

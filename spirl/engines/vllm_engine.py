@@ -115,6 +115,12 @@ def prepare_environment(require_batch_invariant: bool = True) -> None:
 
 
 class VLLMEngine:
+    seeds_children: bool = True
+    """vLLM runs a request of n samples and seed s as n requests of one sample and seeds s, s+1, ...
+    (vllm/v1/engine/parallel_sampling.py, 0.26.0), each sampled as it would be alone (batch
+    invariance): so consecutive one-sample requests of one prompt and seeds s, s+1, ... may be sent
+    as one request of n, for the same bits (tests/gpu/test_tinker_gpu.py checks it)."""
+
     def __init__(self, cfg: VLLMEngineConfig):
         prepare_environment(cfg.require_batch_invariant)
         check_model_supported(cfg.model_dir)
@@ -193,14 +199,15 @@ class VLLMEngine:
 
     def sample(self, requests: list[Request]) -> list[list[Sample]]:
         """Each request's n samples (its own settings), all in one engine call; logprobs as the
-        engine's logprobs_mode says."""
+        engine's logprobs_mode says. Token ids only (detokenize=False): nothing downstream reads
+        vLLM's text, and its incremental detokenizer is per-request Python on every decode step."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
         params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, logprobs=0, seed=r.seed,
                                  min_p=r.min_p, top_k=r.top_k, top_p=r.top_p, stop_token_ids=list(r.stop_token_ids),
-                                 ignore_eos=r.ignore_eos) for r in requests]
+                                 ignore_eos=r.ignore_eos, detokenize=False) for r in requests]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests], params,
                                     use_tqdm=False)
         return [[_to_sample(list(r.prompt), c) for c in out.outputs] for r, out in zip(requests, outputs)]
@@ -211,7 +218,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
-        params = SamplingParams(n=1, max_tokens=max_tokens, temperature=0.0)
+        params = SamplingParams(n=1, max_tokens=max_tokens, temperature=0.0, detokenize=False)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         return [list(out.outputs[0].token_ids) for out in outputs]

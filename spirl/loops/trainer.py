@@ -218,7 +218,9 @@ def step_scalars(policy: Policy, samples, rewards: torch.Tensor, report: ParityR
 
 
 def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, run_dir: Path) -> dict:
+    """One GRPO step; its scalars, with time/<phase> and time/step (the whole step's wall clock)."""
     times: dict[str, float] = {}
+    start = time.perf_counter()
     dist = sampling_dist(cfg)
     world = policy.world
     with timed(times, "rollout"):
@@ -247,6 +249,7 @@ def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, 
         if world.is_main:  # decided over all ranks: said once
             log.warning("step %d: every group has equal rewards, so every advantage is 0: no update this step", step)
         out["skipped_update"] = 1.0
+        times["step"] = time.perf_counter() - start
         return {**out, **phase_metrics(times)}
     per = len(samples) // cfg.updates_per_batch
     agg: dict[str, float] = {}
@@ -260,4 +263,5 @@ def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, 
         sync_weights(engine, policy, cfg)
     out.update(agg)
     out["skipped_update"] = 0.0
+    times["step"] = time.perf_counter() - start
     return {**out, **phase_metrics(times)}

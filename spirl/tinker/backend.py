@@ -23,6 +23,7 @@ spirl.core.parity.ParityError with the report simple_rl.py writes. Off-policy da
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import itertools
 import json
 import logging
@@ -260,7 +261,7 @@ class Session:
         for version, items in by_version.items():
             try:
                 self.activate(version)
-                groups = self.engine.sample([req for _, req, _, _ in items])
+                groups = self._sample([req for _, req, _, _ in items])
                 prompt_lps = self.prompt_logprobs([req.prompt for _, req, _, want in items if want])
                 for (_, req, fut, want), group in zip(items, groups):
                     fut.set_result((self._remember(version, group), prompt_lps.pop(0) if want else None))
@@ -268,6 +269,31 @@ class Session:
                 for _, _, fut, _ in items:
                     if not fut.done():
                         fut.set_exception(e)
+
+    def _sample(self, requests: list[Request]) -> list[list[Sample]]:
+        """Each request's samples, from one engine call. On an engine that seeds the samples of a
+        request of n as n requests of consecutive seeds (VLLMEngine.seeds_children), runs of
+        requests of one prompt and settings whose seeds continue each other (the cookbook sends a
+        group's envs one request each, and `next_seed` counts up) go as one request of n: the same
+        bits, one request's overhead in the engine instead of n."""
+        if not getattr(self.engine, "seeds_children", False):
+            return self.engine.sample(requests)
+        merged: list[tuple[Request, list[int]]] = []  # (engine request, n of each request it carries)
+        for r in requests:
+            if merged and r.seed is not None:
+                last, parts = merged[-1]
+                if (last.seed is not None and last.seed + last.n == r.seed
+                        and dataclasses.replace(last, n=r.n, seed=r.seed) == r):
+                    merged[-1] = (dataclasses.replace(last, n=last.n + r.n), parts + [r.n])
+                    continue
+            merged.append((r, [r.n]))
+        out = []
+        for (_, parts), samples in zip(merged, self.engine.sample([m for m, _ in merged]), strict=True):
+            start = 0
+            for n in parts:
+                out.append(samples[start:start + n])
+                start += n
+        return out
 
     def _remember(self, version: int, group: list[Sample]) -> list[tuple[str, Sample]]:
         out = []

@@ -56,7 +56,10 @@ def gpu_06b_4layer_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_harness(gpu_tiny_ckpt):
-    """One vLLM engine + trainer model on the tiny checkpoint, shared by the GPU tests."""
+    """One vLLM engine + trainer model on the tiny checkpoint, shared by the GPU tests (closed at the
+    end, so vLLM's process group is destroyed before exit)."""
     from compare.harness import HarnessConfig, ParityHarness
 
-    return ParityHarness(HarnessConfig(gpu_tiny_ckpt, gpu_memory_utilization=0.3))
+    harness = ParityHarness(HarnessConfig(gpu_tiny_ckpt, gpu_memory_utilization=0.3))
+    yield harness
+    harness.close()

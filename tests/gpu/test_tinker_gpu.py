@@ -38,6 +38,20 @@ def test_a_request_gets_the_same_bits_in_any_batch(tiny_harness):
     assert sum(len(s.completion_ids) for g in batch for s in g) == sum(r.n * r.max_tokens for r in requests)
 
 
+def test_one_request_of_n_is_n_requests_of_consecutive_seeds(tiny_harness):
+    """What the API's merging of a group's one-sample requests relies on (backend.Session._sample,
+    VLLMEngine.seeds_children): vLLM's request of n samples and seed s gives, bit for bit, the n
+    requests of one sample and seeds s, s+1, ..., each alone."""
+    engine = tiny_harness.engine
+    prompt = random_prompts([37], 5)[0]
+    merged = engine.sample([Request(prompt, n=5, max_tokens=32, temperature=1.0, seed=1234, ignore_eos=True)])[0]
+    alone = [engine.sample([Request(prompt, n=1, max_tokens=32, temperature=1.0, seed=1234 + i, ignore_eos=True)])[0][0]
+             for i in range(5)]
+    assert [s.completion_ids for s in merged] == [s.completion_ids for s in alone]
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(merged, alone, strict=True))
+    assert len({tuple(s.completion_ids) for s in merged}) > 1  # the seeds differ, so do the draws
+
+
 def test_cookbook_rl_loop_on_vllm_compares_every_iteration(gpu_tiny_ckpt, tmp_path):
     pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is not installed (see README: Tinker API)")
     env = dict(os.environ, SPIRL_TINKER_DIR=str(tmp_path / "tinker_runs"), SPIRL_GPU_MEMORY_UTILIZATION="0.25")
@@ -51,3 +65,19 @@ def test_cookbook_rl_loop_on_vllm_compares_every_iteration(gpu_tiny_ckpt, tmp_pa
     assert m, "tinker_task printed no parity line"
     calls, compared, different, fewest = map(int, m.groups())
     assert calls == 3 and different == 0 and fewest > 0 and compared >= 3 * fewest
+
+
+def test_a_failing_script_closes_the_engine(gpu_tiny_ckpt, tmp_path):
+    """A Tinker script that raises: one error line, and the launcher closes the vLLM engine on the
+    way out (no "destroy_process_group() was not called" at exit)."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sys, tinker\n"
+                      "tc = tinker.ServiceClient().create_lora_training_client(base_model=sys.argv[1], rank=2).result()\n"
+                      "raise RuntimeError('the user script failed')\n")
+    env = dict(os.environ, SPIRL_TINKER_DIR=str(tmp_path / "tinker_runs"), SPIRL_GPU_MEMORY_UTILIZATION="0.25")
+    proc = subprocess.run([sys.executable, "-m", "spirl.tinker", str(script), gpu_tiny_ckpt], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode != 0 and "the user script failed" in proc.stderr
+    assert "engine closed" in proc.stdout
+    assert "destroy_process_group" not in proc.stdout + proc.stderr
