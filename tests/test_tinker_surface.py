@@ -407,7 +407,8 @@ def test_runs_of_one_prompt_and_consecutive_seeds_go_as_one_request():
     one request of n, split back in order; anything else (another prompt, settings, a seed gap)
     starts a new engine request. The bits are vLLM's claim, checked on the GPU
     (tests/gpu/test_tinker_gpu.py::test_one_request_of_n_is_n_requests_of_consecutive_seeds)."""
-    from spirl.engines.base import Request, Sample
+    from spirl.engines.base import Request
+    from spirl.numerics.samples import Sample
     from spirl.tinker.backend import Session
 
     class Engine:
@@ -429,3 +430,12 @@ def test_runs_of_one_prompt_and_consecutive_seeds_go_as_one_request():
     sent = session.engine.calls[0]
     assert [(r.prompt, r.n, r.seed) for r in sent] == [(a, 4, 10), (b, 1, 14), (b, 1, 15), (b, 1, 17), (a, 1, 18)]
     assert [[s.completion_ids[0] for s in g] for g in out] == [[10], [11], [12, 13], [14], [15], [17], [18]]
+
+
+def test_readme_table_of_the_surface_is_the_code():
+    from pathlib import Path
+
+    from spirl.tinker.surface import surface_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert surface_table([o for o, _ in PAIRS]) in readme, "README's SDK table is stale: python -m spirl.tinker --surface"

@@ -1,4 +1,5 @@
 """python -m spirl.tinker SCRIPT.py [ARGS...]   (or: python -m spirl.tinker -m MODULE [ARGS...])
+   python -m spirl.tinker --surface               (the SDK's public methods: implemented / refused, and why)
 
 Runs an unmodified Tinker script against SPIRL on this machine: the SDK's client classes are
 replaced by SPIRL's (spirl/tinker/clients.py) before the script is imported, so `tinker.ServiceClient()`
@@ -43,6 +44,12 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    if argv[0] == "--surface":  # the SDK's surface: implemented / refused, as README's table
+        from . import clients, rest
+        from .surface import surface_table
+
+        print(surface_table([clients.ServiceClient, clients.TrainingClient, clients.SamplingClient, rest.RestClient]))
+        return 0
     from ..core.errors import log_to_stdout
 
     if argv[0] == "-m" and len(argv) < 2:

@@ -310,13 +310,12 @@ def _read_state(directory: Path) -> dict:
 
 # -- TrainingClient -----------------------------------------------------------------------------------------------
 
+_EXTERNAL = ("external weights are the hosted service's encrypted download exports; locally, "
+             "save_weights_for_sampler writes the adapter (or HF checkpoint) as files under SPIRL_TINKER_DIR")
 REFUSED_TRAINING = {
     "get_console_url": "there is no web console for a local run (logs: <SPIRL_TINKER_DIR>/<run>/)",
-    "save_weights_external": "external weights are the hosted service's encrypted download exports; locally, "
-                             "save_weights_for_sampler writes the adapter (or HF checkpoint) as files under "
-                             "SPIRL_TINKER_DIR",
-    "save_weights_external_async": "external weights are the hosted service's encrypted download exports; locally, "
-                                   "save_weights_for_sampler writes the adapter (or HF checkpoint) as files",
+    "save_weights_external": _EXTERNAL,
+    "save_weights_external_async": _EXTERNAL,
 }
 
 

@@ -139,3 +139,23 @@ def mirror_deprecation(sdk_cls: type, name: str, fn):
         return fn(*a, **kw)
 
     return deprecated(message, category=FutureWarning)(wrapped)
+
+
+def surface_table(classes: list[type]) -> str:
+    """README's table of the SDK's surface: per SDK class, what SPIRL implements and what it refuses
+    and why (`python -m spirl.tinker --surface` prints it; tests/test_tinker_surface.py keeps README
+    equal to it)."""
+    rows = ["| SDK class | public members | implemented locally | refused (why) |", "| --- | --- | --- | --- |"]
+    for cls in classes:
+        sdk = cls.__spirl_sdk_class__
+        names = public_members(sdk)
+        refused: dict[str, list[str]] = {}
+        for n in names:
+            reason = refusal_reason(cls, n)
+            if reason:
+                refused.setdefault(reason, []).append(n)
+        done = [n for n in names if refusal_reason(cls, n) is None]
+        why = "; ".join(f"{', '.join(f'`{n}`' for n in ns)}: {reason}" for reason, ns in refused.items()) or "none"
+        rows.append(f"| `{sdk.__name__}` | {len(names)} | {len(done)}: {', '.join(f'`{n}`' for n in done)} | "
+                    f"{len(names) - len(done)}: {why} |")
+    return "\n".join(rows)
