@@ -87,11 +87,13 @@ class MetricsLogger:
         self.tb.flush()
         self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
         self.jsonl.flush()
-        log.info("step %d/%d  reward %.3f±%.3f  loss %.4f  kl %.2e  parity %d/%d diff  %.1fs",
+        kl = f"  kl {scalars['kl_div']:.2e}" if "kl_div" in scalars else ""  # only with a KL term (--kl-coef > 0)
+        seconds = scalars.get("time/step", sum(v for k, v in scalars.items() if k.startswith("time/")))
+        log.info("step %d/%d  reward %.3f±%.3f  loss %.4f%s  parity %d/%d diff  %.1fs",
                  step, total_steps, scalars.get("reward_mean", float("nan")), scalars.get("reward_std", float("nan")),
-                 scalars.get("loss", float("nan")), scalars.get("kl_div", float("nan")),
+                 scalars.get("loss", float("nan")), kl,
                  int(scalars.get("parity/tokens_different", -1)), int(scalars.get("parity/tokens_compared", -1)),
-                 sum(v for k, v in scalars.items() if k.startswith("time/")))
+                 seconds)
         if "episode/turns_mean" in scalars:
             log.info("step %d/%d  multi-turn: %.2f turns/episode, %.2f env errors/episode, naive retokenization "
                      "would differ in %d tokens (%d trained, %d smoking guns); TI/TO: 0",
