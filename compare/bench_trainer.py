@@ -12,7 +12,7 @@ both models compute what the GRPO loss is built on: the log-probability of every
 0..L-2 of each sequence predict tokens 1..L-1), summed; fwd+bwd backpropagates that sum into the
 bf16 parameters. Shapes: BxS (B sequences of S tokens) or mixedN (N sequences, lengths uniform in
 32..2048 from torch.Generator seed 0: the batch of compare/bench_attention_backward.py).
-  ours        the trainer's own path, spirl.core.parity.sampled_logprobs, on weights_vllm_compat's
+  ours        the trainer's own path, spirl.numerics.parity.sampled_logprobs, on weights_vllm_compat's
               Qwen3VLLMCompatModel (backend auto: vLLM's batch-invariant kernels on CUDA, reference
               ops on CPU), one packed varlen batch. The host-side packing that path does on every
               call is inside the timing (also shown alone as "ours host prep").
@@ -164,8 +164,8 @@ def set_ours_ac(model, on: bool) -> str:
 
 
 def run_ours(model_dir, seqs_by_shape, opts, device, dtype) -> tuple[dict, str, str]:
-    from spirl.engines.base import Sample
-    from spirl.core.parity import pack_sampled, sampled_logprobs
+    from spirl.numerics.samples import Sample
+    from spirl.numerics.parity import pack_sampled, sampled_logprobs
     from weights_vllm_compat import load_model
 
     model = load_model(model_dir, device=device, dtype=dtype, backend="auto").requires_grad_(True)

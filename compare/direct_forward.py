@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         print(f"Tokens different: {report.tokens_different}")
         print(report.summary().split(" - ")[-1])
         if not report.bitwise_identical and args.localize:
-            from spirl.core.localize import localize_sample
+            from spirl.numerics.localize import localize_sample
 
             print(localize_sample(harness, samples[report.first_mismatch[0]].ids))
         return 0 if report.bitwise_identical else 1

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from spirl.engines.base import Sample
+from spirl.numerics.samples import Sample
 from spirl.engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngineConfig
-from spirl.core.parity import RAW, ParityReport, SamplingDist, compare_logprobs, logprob_dist, sampled_logprobs
+from spirl.numerics.parity import RAW, ParityReport, SamplingDist, compare_logprobs, logprob_dist, sampled_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class SwappedOpBackend:
 
     def qk_norm_rope(self, *args):
         """Qwen3's q/k step as RMSNorm then rotary of this backend, so that a swapped one shows."""
-        from torchtitan_compat.ops import norm_then_rotary
+        from torchtitan_compat.backend_base import norm_then_rotary
 
         if self._op in ("rms_norm", "rotary"):
             return norm_then_rotary(self, *args)

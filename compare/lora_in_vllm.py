@@ -36,10 +36,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    from spirl.core import vllm_patches
+    from spirl.numerics import vllm_patches
     from spirl.engines.vllm_engine import prepare_environment
     from spirl.core.config import TrainConfig
-    from spirl.core.policy import build_policy_and_engine
+    from spirl.core.build import build_policy_and_engine
     from torchtitan_compat import model_args_from_hf_config
     from torchtitan_compat.config import load_hf_config
     from torchtitan_compat.peft_adapter import read_adapter
@@ -74,9 +74,9 @@ def main(argv=None) -> int:
     cfg = TrainConfig(model=a.model, engine="native", dtype="bfloat16", device="cuda", lora_init=a.adapter).validate()
     from spirl.core.lora import resolve_spec
 
-    policy, _ = build_policy_and_engine(Path(a.model), cfg, torch.device("cuda"), lora=resolve_spec(cfg, args, Path(a.model)))
-    from spirl.engines.base import Sample
-    from spirl.core.parity import sampled_logprobs
+    policy, _ = build_policy_and_engine(Path(a.model), cfg, torch.device("cuda"), init=resolve_spec(cfg, args, Path(a.model)))
+    from spirl.numerics.samples import Sample
+    from spirl.numerics.parity import sampled_logprobs
     from torchtitan_compat import select_backend
 
     policy.model.backend = select_backend("vllm", "cuda")

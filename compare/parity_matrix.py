@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from compare.harness import OPS, HarnessConfig, ParityHarness  # noqa: E402
-from spirl.core.parity import compare_logprobs  # noqa: E402
+from spirl.numerics.parity import compare_logprobs  # noqa: E402
 
 
 def random_prompts(lengths, seed):

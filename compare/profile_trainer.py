@@ -35,8 +35,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import weights
-    from spirl.engines.base import Sample
-    from spirl.core.parity import SamplingDist, sampled_logprobs_and_entropy
+    from spirl.numerics.samples import Sample
+    from spirl.numerics.parity import SamplingDist, sampled_logprobs_and_entropy
     from weights_vllm_compat import load_model
 
     ckpt = Path(tempfile.mkdtemp()) / "ckpt"

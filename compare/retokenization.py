@@ -57,7 +57,7 @@ def format_summary(s: DetectorSummary, threshold: float) -> list[str]:
 
 def read_rollouts(path: Path):
     """(trajectories, prompt messages, tools) from a trainer rollouts file (one JSON per line)."""
-    from spirl.core.trajectory import Trajectory
+    from spirl.numerics.trajectory import Trajectory
 
     trajs, messages, tools = [], [], None
     for n, line in enumerate(path.read_text().splitlines(), 1):

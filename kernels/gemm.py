@@ -16,7 +16,7 @@ That is what this kernel keeps, and what `tests/gpu/test_gemm.py` proves bit for
 vLLM's kernel over shapes and every config in `CONFIGS`. The config is then chosen by M: small
 tiles at decode sizes (one token per sequence: M = batch), where 128x128 tiles leave most SMs idle
 (16 tiles for a 2048-wide output), large tiles for the trainer's thousands of rows. Both the
-engine (through `spirl.core.vllm_patches`) and the trainer run this kernel, so their bits agree.
+engine (through `spirl.numerics.vllm_patches`) and the trainer run this kernel, so their bits agree.
 """
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
 """SPIRL: bitwise-deterministic RL for Qwen3 (vLLM rollouts, a vLLM-compatible trainer, GRPO, the Tinker API).
 
-One core and its clients, one package each, imports one way (tests/test_layering.py):
+One package per layer, imports one way (lowest first; tests/test_layering.py checks it, and that no
+module of the tree imports in a circle):
 
-    core/     the policy (weights, compute model, engine, weight sync, resume), LoRA, the optimizer, the
-              bitwise parity check and its report, checkpoints, the memory plan, preflight checks,
-              vLLM patches; rollouts of environments in token ids (multiturn, trajectory, chat_format)
-    engines/  rollout engines: vLLM in batch-invariant mode, plain PyTorch (core and engines import
-              each other: the policy builds an engine, the native engine scores with the core)
+    numerics/ what the engines and the trainer share and must agree on bit for bit: samples and
+              trajectories in token ids, the sampling distributions, the logprob and parity kernels
+              and the parity report, the first diverging op (localize), the vLLM patches
+    engines/  rollout engines: vLLM in batch-invariant mode, plain PyTorch (they import numerics/)
+    core/     the policy (weights, compute model, optimizer, LoRA, its engine, weight sync, resume:
+              build.py is its one entry) and what sets a run up around it: checkpoints, the memory plan,
+              preflight checks, the config, errors, metrics; the episode loop of environments in token
+              ids (multiturn, chat_format)
     tasks/    prompts as token ids and verifiable rewards; the calculator tool and environment
     loops/    GRPO (trainer: one step; run: simple_rl.py's run), evaluation, the supervised warm start
     tinker/   the Tinker API (sample / forward_backward / optim_step) on the core

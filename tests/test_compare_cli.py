@@ -10,7 +10,7 @@ import torch
 
 from compare.direct_forward import parse_args
 from compare.table import bf16_hex, f32_hex, format_rows
-from spirl.core.parity import compare_logprobs
+from spirl.numerics.parity import compare_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -214,8 +214,8 @@ def _rank0_of_two(peer):
 def test_a_mismatch_on_another_rank_fails_this_rank_naming_it(tmp_path):
     from types import SimpleNamespace
 
-    from spirl.engines.base import Sample
-    from spirl.core.parity import ParityError, check_parity
+    from spirl.numerics.samples import Sample
+    from spirl.numerics.parity import ParityError, check_parity
 
     s = Sample([1, 2], [3, 4], torch.tensor([-1.0, -2.0]))
     policy = SimpleNamespace(world=_rank0_of_two("tokens compared: 2, different: 1 (report: r1.json)"))

@@ -1,4 +1,5 @@
-"""Imports run one way: kernels -> autograd ops -> model -> weights -> product -> verification.
+"""Imports run one way: kernels -> autograd ops -> model -> weights -> product -> verification, with no
+circle anywhere in the tree.
 
 Layer of each top-level name (a module may import its own layer or any layer below, never above):
     0  kernels/, batch_invariant_backward.py   kernels and their autograd wrappers
@@ -7,10 +8,15 @@ Layer of each top-level name (a module may import its own layer or any layer bel
     3  spirl/                                    the product (its own groups below)
     4  compare/, simple_rl.py                    verification scripts and the entry point
 
-Inside spirl/ (spirl/__init__.py), one package per group: spirl/core (policy, LoRA, optimizer, parity,
-checkpoints, weight sync, memory plan) with spirl/engines; spirl/tasks; then the clients of the core,
-which never import each other: spirl/loops (GRPO: trainer, run, evaluation; the warm start) and the
-API (spirl/tinker).
+Inside spirl/ (spirl/__init__.py), one package per group, lowest first: spirl/numerics (what engines and
+the trainer share: samples, trajectories, sampling distributions, logprob and parity kernels, vLLM
+patches), spirl/engines, spirl/core (the policy: weights, compute model, optimizer, LoRA, sync, resume;
+checkpoints, config, preflight), spirl/tasks; then the clients of the core, which never import each
+other: spirl/loops (GRPO: trainer, run, evaluation; the warm start) and the API (spirl/tinker).
+
+The import graph is of the whole tree (tests/ and compare/ included): one node per module, one edge per
+project module a module imports, at its top or inside a function (a function-level import closes a
+circle as surely as a top-level one, only later).
 """
 
 from __future__ import annotations
@@ -23,36 +29,140 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"kernels": 0, "batch_invariant_backward": 0, "torchtitan_compat": 1, "weights": 2,
           "weights_vllm_compat": 2, "spirl": 3, "compare": 4, "simple_rl": 4}
+NOT_SOURCE = {"docs", "runs", "build", "dist"}
+"""Top-level directories that hold no project source (besides hidden ones, virtual environments and
+*.egg-info)."""
 
 
-def _own_layer(path: Path) -> tuple[str, int]:
-    top = path.relative_to(ROOT).parts[0].removesuffix(".py")
-    return top, LAYERS[top]
+# -- the import graph of the whole tree ------------------------------------------------------------------
 
 
-def _imported_tops(path: Path) -> set[str]:
-    tops = set()
+def source_files(root: Path = ROOT) -> dict[str, Path]:
+    """Module name -> file of every Python file of the tree (`spirl.core.policy`, `tests.test_lora`)."""
+    out = {}
+    for p in sorted(root.rglob("*.py")):
+        parts = p.relative_to(root).with_suffix("").parts
+        top = parts[0]
+        if top.startswith(".") or top in NOT_SOURCE or top.endswith(".egg-info") or (root / top / "pyvenv.cfg").is_file():
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def _known(name: str, modules) -> str | None:
+    """The module `name` names, or the longest package prefix of it that is one (`import a.b` runs a)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in modules:
+            return ".".join(parts[:n])
+    return None
+
+
+def imports_of(name: str, path: Path, modules) -> set[str]:
+    """The project modules the module `name` imports, anywhere in its file."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            tops |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            tops.add(node.module.split(".")[0])
-    return tops & set(LAYERS)
+            out |= {_known(a.name, modules) for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            for a in node.names:  # `from pkg import mod` imports the module, `from mod import f` the module
+                sub = f"{src}.{a.name}" if src else a.name
+                out.add(sub if sub in modules else _known(src, modules))
+    out.discard(None)
+    out.discard(name)
+    return out
 
 
-def _project_files() -> list[Path]:
-    files = [ROOT / f"{name}.py" for name in LAYERS if (ROOT / f"{name}.py").is_file()]
-    for name in LAYERS:
-        if (ROOT / name).is_dir():
-            files += sorted((ROOT / name).rglob("*.py"))
-    return files
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    modules = source_files(root)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
 
-@pytest.mark.parametrize("path", _project_files(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_imports_point_down(path):
-    top, layer = _own_layer(path)
-    upward = sorted(t for t in _imported_tops(path) if LAYERS[t] > layer)
-    assert not upward, f"{path.relative_to(ROOT)} (layer {layer}, {top}) imports {upward} from a higher layer"
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle of the graph: its strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]  # iterative: no recursion limit on long chains
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+GRAPH = import_graph()
+
+
+def test_no_import_cycle_anywhere():
+    circles = cycles(GRAPH)
+    assert not circles, ("import circles (top-level and function-level imports both count; move what both "
+                         f"sides need into a module below them): {circles}")
+
+
+def test_cycle_finder_sees_function_level_imports(tmp_path):
+    """A circle closed only by an import inside a function, in a package, is found (and its absence too)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from .b import f\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from pkg import a\n    return a\n")
+    (tmp_path / "c.py").write_text("import pkg.a\n")
+    graph = import_graph(tmp_path)
+    assert graph["c"] == {"pkg.a"} and graph["pkg.b"] == {"pkg.a"}
+    assert cycles(graph) == [["pkg.a", "pkg.b"]]
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    return 1\n")
+    assert cycles(import_graph(tmp_path)) == []
+
+
+# -- layers of the top-level names ------------------------------------------------------------------------
+
+
+def _layered(name: str) -> bool:
+    return name.split(".")[0] in LAYERS
+
+
+@pytest.mark.parametrize("name", sorted(n for n in GRAPH if _layered(n)))
+def test_imports_point_down(name):
+    top, layer = name.split(".")[0], LAYERS[name.split(".")[0]]
+    upward = sorted(m for m in GRAPH[name] if _layered(m) and LAYERS[m.split(".")[0]] > layer)
+    assert not upward, f"{name} (layer {layer}, {top}) imports {upward} from a higher layer"
 
 
 def test_every_project_package_has_a_layer():
@@ -61,48 +171,32 @@ def test_every_project_package_has_a_layer():
     assert tops <= set(LAYERS), f"give these a layer in tests/test_layering.py: {sorted(tops - set(LAYERS))}"
 
 
-SPIRL_GROUPS = {"core": {"core", "engines"}, "tasks": {"tasks"}, "loops": {"loops"}, "api": {"tinker"}}
+# -- the groups of spirl/ -----------------------------------------------------------------------------------
+
+SPIRL_GROUPS = {"numerics": {"numerics"}, "engines": {"engines"}, "core": {"core"}, "tasks": {"tasks"},
+                "loops": {"loops"}, "api": {"tinker"}}
 """Each group is one or more packages of spirl/ (spirl/__init__.py); nothing else lives there."""
-MAY_IMPORT = {"core": {"core"}, "tasks": {"core", "tasks"}, "loops": {"core", "tasks", "loops"},
-              "api": {"core", "tasks", "api"}}
+MAY_IMPORT = {"numerics": {"numerics"},
+              "engines": {"numerics", "engines"},
+              "core": {"numerics", "engines", "core"},
+              "tasks": {"numerics", "core", "tasks"},
+              "loops": {"numerics", "engines", "core", "tasks", "loops"},
+              "api": {"numerics", "engines", "core", "tasks", "api"}}
 
 
-def _spirl_group(name: str) -> str:
-    top = name.split(".")[0]
-    return next(g for g, members in SPIRL_GROUPS.items() if top in members)
+def _spirl_group(name: str) -> str | None:
+    """The group of a spirl module (`spirl.core.policy` -> core); None for spirl/__init__.py."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return None
+    return next(g for g, members in SPIRL_GROUPS.items() if parts[1] in members)
 
 
-def _spirl_imports(path: Path) -> set[str]:
-    """spirl modules `path` imports (relative or absolute), as names inside spirl (`engines.base`)."""
-    here = path.relative_to(ROOT / "spirl").with_suffix("").parts
-    package = here[:-1] if here[-1] != "__init__" else here[:-1]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = list(package[:len(package) - node.level + 1])
-                mod = ".".join(base + ([node.module] if node.module else []))
-                names = [mod] if node.module else [".".join(base + [a.name]) for a in node.names]
-            elif node.module and node.module.split(".")[0] == "spirl":
-                names = [node.module.removeprefix("spirl").lstrip(".")] or []
-                if not names[0]:
-                    names = [a.name for a in node.names]
-            else:
-                continue
-            out |= {n for n in names if n}
-        elif isinstance(node, ast.Import):
-            out |= {a.name.removeprefix("spirl.") for a in node.names if a.name.startswith("spirl.")}
-    return out
-
-
-@pytest.mark.parametrize("path", sorted((ROOT / "spirl").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
-def test_spirl_groups_import_one_way(path):
-    parts = path.relative_to(ROOT / "spirl").with_suffix("").parts
-    if parts == ("__init__",):
-        return
-    mine = _spirl_group(parts[0])
-    bad = sorted(n for n in _spirl_imports(path) if _spirl_group(n) not in MAY_IMPORT[mine])
-    assert not bad, f"{path.relative_to(ROOT)} ({mine}) imports {bad}: {mine} may import only {sorted(MAY_IMPORT[mine])}"
+@pytest.mark.parametrize("name", sorted(n for n in GRAPH if n.startswith("spirl.")))
+def test_spirl_groups_import_one_way(name):
+    mine = _spirl_group(name)
+    bad = sorted(m for m in GRAPH[name] if m.startswith("spirl.") and _spirl_group(m) not in MAY_IMPORT[mine])
+    assert not bad, f"{name} ({mine}) imports {bad}: {mine} may import only {sorted(MAY_IMPORT[mine])}"
 
 
 def test_spirl_is_made_of_its_group_packages():

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spirl.engines.base import Sample
+from spirl.numerics.samples import Sample
 from spirl.loops.evaluation import evaluate, require_eval_set
 from spirl.tasks import arith
 

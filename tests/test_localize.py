@@ -1,4 +1,4 @@
-"""spirl/core/localize.py: capturing per-op activations and finding the first bitwise divergence (CPU).
+"""spirl/numerics/localize.py: capturing per-op activations and finding the first bitwise divergence (CPU).
 
 Three parts:
 * `localize` on synthetic captures, where the right answer is known by construction;
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spirl.core.localize import (
+from spirl.numerics.localize import (
     LAYER_OPS, canonical_names, capture_ours, capture_vllm, localize,
 )
 from torchtitan_compat import Qwen3VLLMCompatModel, hf_config_for_shape, model_args_from_hf_config, pack

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from spirl.tasks.calculator_tool import ToolError, evaluate, find_tool_call, run_tool_call
-from spirl.engines.base import Sample
+from spirl.numerics.samples import Sample
 from spirl.engines.native_engine import NativeEngine
 from spirl.core.multiturn import run_episodes
-from spirl.core.trajectory import Trajectory
+from spirl.numerics.trajectory import Trajectory
 
 IM_END = 151645
 TOOL_RESPONSE = 151665
@@ -348,7 +348,7 @@ def test_multi_turn_grpo_steps_with_parity_over_every_turn(tiny_ckpt, tok, tmp_p
 
 def test_multi_turn_parity_break_in_a_later_turn_is_caught(tiny_ckpt, tok, tmp_path, monkeypatch):
     """One ulp off in the *second* turn of one episode stops the run: parity covers every turn."""
-    from spirl.core import parity
+    from spirl.numerics import parity
     from spirl.loops import run
 
     _scripted(monkeypatch, tok, break_turn=1)

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from spirl.engines.base import Sample
-from spirl.core.parity import pack_sampled
-from spirl.core.trajectory import Trajectory
+from spirl.numerics.samples import Sample
+from spirl.numerics.parity import pack_sampled
+from spirl.numerics.trajectory import Trajectory
 from torchtitan_compat import pack
 
 

@@ -162,8 +162,9 @@ def test_all_zero_advantages_skip_update(tiny_ckpt, tmp_path):
 
 def test_parity_break_stops_with_report_and_keeps_checkpoint(tiny_ckpt, tmp_path, monkeypatch):
     """One engine logprob off by one ulp: ParityError, a report file, no checkpoint written."""
-    from spirl.core import parity, policy
+    from spirl.core import policy
     from spirl.loops import run
+    from spirl.numerics import parity
 
     real = policy.build_engine
 

@@ -46,8 +46,8 @@ def test_stepping_layer_groups_one_by_one_is_one_adamw_step():
 
 
 def test_activation_checkpointing_changes_no_gradient_bit(tiny_ckpt):
-    from spirl.engines.base import Sample
-    from spirl.core.parity import SamplingDist, sampled_logprobs_and_entropy
+    from spirl.numerics.samples import Sample
+    from spirl.numerics.parity import SamplingDist, sampled_logprobs_and_entropy
     from weights_vllm_compat import load_model
 
     model = load_model(tiny_ckpt, device="cpu", dtype=torch.float32, backend="reference")

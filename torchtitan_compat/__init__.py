@@ -2,7 +2,8 @@
 
 from .config import ConfigError, SHAPES, hf_config_for_shape, model_args_from_hf_config
 from .model import Qwen3VLLMCompatModel
-from .ops import BackendError, select_backend
+from .backend_base import BackendError
+from .ops import select_backend
 from .packing import PackedTokens, pack
 
 __all__ = [

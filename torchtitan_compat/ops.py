@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -36,14 +35,11 @@ import torch.nn.functional as F
 from batch_invariant_backward import compute_dtype
 
 from . import attention as ref_attention
+from .backend_base import BackendError, norm_then_rotary
 
 log = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "reference", "vllm")
-
-
-class BackendError(RuntimeError):
-    """The requested kernel backend cannot run here."""
 
 
 class ReferenceBackend:
@@ -99,13 +95,6 @@ class ReferenceBackend:
         return z
 
 
-def norm_then_rotary(backend, positions, q, k, q_weight, k_weight, eps: float, cos_sin_cache):
-    """Qwen3's q/k step as two ops of `backend`, the way vLLM runs it: per-head RMSNorm of q and k
-    (new tensors), then the rotation of those (a backend may rotate them in place)."""
-    return backend.rotary(positions, backend.rms_norm(q, q_weight, eps), backend.rms_norm(k, k_weight, eps),
-                          cos_sin_cache)
-
-
 def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D]; cos/sin: [T, D/2]. First half x1, second half x2 of each head:
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
@@ -145,7 +134,3 @@ def select_backend(name: str = "auto", device: torch.device | str | None = None)
         backend = ReferenceBackend()
     log.info("kernel backend: %s (device=%s)", backend.name, "cuda" if on_cuda else "cpu")
     return backend
-
-
-def batch_invariant_env_enabled() -> bool:
-    return os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0")

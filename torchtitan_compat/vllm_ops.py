@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import BackendError, batch_invariant_env_enabled, norm_then_rotary
+from .backend_base import BackendError, batch_invariant_env_enabled, norm_then_rotary
 
 PINNED_VLLM_VERSION = "0.26.0"
 

@@ -1,10 +1,11 @@
-"""The core both clients train through (spirl.loops: GRPO; spirl.tinker: the Tinker API).
+"""The core both clients train through (spirl.loops: GRPO; spirl.tinker: the Tinker API): the policy and
+what sets a run up around it. Above spirl.engines (the policy builds its engine) and spirl.numerics.
 
-policy.py   weights, the compute model, the engine, weight sync, resume
+build.py    build_policy_and_engine: the policy's one entry (full fine-tuning or LoRA)
+policy.py   the policy: weights, the compute model, its engine, weight sync, resume
 lora.py     LoRA: adapters merged into the engine's own tensors
 optim.py    AdamW on fp32 masters, gradient clipping
-parity.py   the bitwise sampler-trainer check and its report
-checkpoint.py, memory_plan.py, preflight.py, distributed.py, config.py, errors.py, metrics.py,
-localize.py, vllm_patches.py; multiturn.py, trajectory.py, chat_format.py (rollouts of environments
-in token ids). Imports only itself and spirl.engines (tests/test_layering.py).
+checkpoint.py, distributed.py, memory_plan.py, preflight.py, config.py, errors.py, metrics.py;
+multiturn.py, chat_format.py (rollouts of environments in token ids). Imports itself, spirl.engines and
+spirl.numerics only (tests/test_layering.py).
 """

@@ -92,7 +92,7 @@ _KNOWN: list[tuple[str, str, int, str]] = [
     ("torchtitan_compat.peft_adapter", "AdapterError", EXIT_MODEL, ""),
     ("torchtitan_compat.lora", "LoRAError", EXIT_USAGE, ""),
     ("torchtitan_compat.ops", "BackendError", EXIT_ENVIRONMENT, ""),
-    ("spirl.core.parity", "ParityError", EXIT_PARITY,
+    ("spirl.numerics.parity", "ParityError", EXIT_PARITY,
      "parity broken at {msg}; that step's update was not applied and the last checkpoint is kept: "
      "read the report, localize with ./run_comparison.sh --localize"),
     ("spirl.loops.trainer", "NonFiniteLossError", EXIT_DIVERGED,

@@ -4,7 +4,7 @@ An environment is a task whose episodes take several policy turns. Each turn the
 generates until it closes the turn with <|im_end|>; the environment reads that turn and either
 ends the episode or answers (a tool result, or an error message for a malformed call); the
 answer is tokenized alone (spirl.core.chat_format) and appended; the policy continues from the exact
-ids so far. See spirl.core.trajectory for the resulting sequence and its loss mask.
+ids so far. See spirl.numerics.trajectory for the resulting sequence and its loss mask.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .trajectory import Trajectory
+from ..numerics.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 Meta = dict[str, Any]

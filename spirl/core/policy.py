@@ -7,7 +7,7 @@ model whose parameters are the cast of the masters (copied after every optimizer
 flow into the compute model and are accumulated into the masters' .grad in fp32. The engine
 receives the compute model's tensors, i.e. exactly the numbers the trainer's forward uses
 (`sync_weights`). LoRA (spirl/core/lora.py): the masters are the adapters, and the engine computes
-with the trainer's own merged weights.
+with the trainer's own merged weights. Which of the two a run gets is chosen in spirl/core/build.py.
 """
 
 from __future__ import annotations
@@ -111,19 +111,6 @@ def _build_sharded_policy(model_dir, cfg, device, world: World, dtype, backend) 
     model = shard_model(model, world, dtype)
     masters = dict(model.named_parameters())
     return Policy(masters, model, ref, build_adamw(masters, cfg.lr, cfg.weight_decay), world, dtype)
-
-
-def build_policy_and_engine(model_dir: Path, cfg: TrainConfig, device: torch.device, world: World | None = None,
-                            lora=None):
-    """(policy, engine): full fine-tuning (fp32 masters, a compute copy, the engine's own copy), or
-    with `lora` (spirl.core.lora.LoRAInit) a LoRA policy sharing the engine's weights."""
-    world = world or World(device=device)
-    if lora is not None:
-        from .lora import build_lora_policy_and_engine
-
-        return build_lora_policy_and_engine(model_dir, cfg, device, world, lora)
-    policy = build_policy(model_dir, cfg, device, world)
-    return policy, build_engine(cfg, model_dir, policy)
 
 
 def build_engine(cfg: TrainConfig, model_dir: Path, policy: Policy | None, **engine_settings):

@@ -1,5 +1,2 @@
-"""Rollout engines: each turns prompts (token ids) into sampled completions with their logprobs."""
-
-from .base import Sample, samples_by_prompt
-
-__all__ = ["Sample", "samples_by_prompt"]
+"""Rollout engines: each turns prompts (token ids) into sampled completions with their logprobs
+(spirl.numerics.samples.Sample). Above spirl.numerics, below spirl.core, which builds them."""

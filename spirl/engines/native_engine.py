@@ -8,7 +8,7 @@ weights -> same samples.
 Logprobs: a KV-cache decode does not compute the same float operations as the trainer's packed
 full-sequence forward (different matmul shapes and attention splits), so its logprobs are not
 bitwise equal to the trainer's in general. The reported logprob of each sampled token is
-therefore *re-scored* after sampling with `spirl.core.parity.sampled_logprobs`, the very packed
+therefore *re-scored* after sampling with `spirl.numerics.parity.sampled_logprobs`, the very packed
 forward the trainer uses, under the distribution the logprobs mode names (`sampling`: logits / T
 then min-p, as vLLM's processed logprobs; `raw`: the raw logits). The per-step parity check is
 then exact by construction for this engine; it exists to test the plumbing on CPU. The real check
@@ -22,8 +22,9 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from ..core.parity import SamplingDist, every_token_logprobs, logprob_dist, sampled_logprobs
-from .base import Request, Sample
+from ..numerics.parity import SamplingDist, every_token_logprobs, logprob_dist, sampled_logprobs
+from ..numerics.samples import Sample
+from .base import Request
 
 
 class NativeEngine:

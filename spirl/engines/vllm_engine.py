@@ -5,7 +5,7 @@ Settings and why:
   import): batch-invariant kernels, so a sequence's numbers do not depend on its batch.
 * in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the model object is reachable, so new
   weights are copied in memory (no safetensors save + reload) and forward hooks can be attached.
-* `spirl.core.vllm_patches.apply()` before the engine is built (see that module for why).
+* `spirl.numerics.vllm_patches.apply()` before the engine is built (see that module for why).
 * CUDA graphs without torch.compile (`CUDA_GRAPH_MODES`; default `full_decode_only`): every op
   still runs the same kernel as in eager mode, so a row's bits cannot change (a graph replays the
   recorded kernels; padding rows of a graph batch are separate rows of row-wise kernels).
@@ -27,8 +27,9 @@ from typing import Iterable
 
 import torch
 
-from ..core import vllm_patches
-from .base import Request, Sample
+from ..numerics import vllm_patches
+from ..numerics.samples import Sample
+from .base import Request
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class VLLMEngineConfig:
 
 
 VLLM_LOGPROBS_MODE = {"sampling": "processed_logprobs", "raw": "raw_logprobs"}
-"""vLLM's logprobs_mode for each `--logprobs` mode (spirl.core.parity.logprob_dist names the distribution)."""
+"""vLLM's logprobs_mode for each `--logprobs` mode (spirl.numerics.parity.logprob_dist names the distribution)."""
 
 CUDA_GRAPH_MODES = {
     # Graphs only for steps where every sequence decodes one token; prefills run eagerly.

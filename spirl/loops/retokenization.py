@@ -2,7 +2,7 @@
 
     CLI: python compare/retokenization.py --rollouts runs/RUN/rollouts/step_000001.jsonl --model DIR
 
-For every multi-turn trajectory (token ids in, token ids out: spirl.core.trajectory) this builds the
+For every multi-turn trajectory (token ids in, token ids out: spirl.numerics.trajectory) this builds the
 sequence a text-based pipeline would train on instead: each sampled turn decoded to text (special
 tokens kept, the most charitable decode), the conversation re-rendered with the chat template,
 the text encoded again. The two id sequences are aligned (difflib on token ids) and every region
@@ -112,7 +112,7 @@ def diff_regions(index: int, tito_ids: list[int], naive: NaiveSequence) -> list[
 
 @dataclass
 class _Scored:
-    """A sequence whose `loss_mask` marks the positions to score (spirl.core.parity's interface)."""
+    """A sequence whose `loss_mask` marks the positions to score (spirl.numerics.parity's interface)."""
     ids: list[int]
     loss_mask: list[bool]
 
@@ -121,7 +121,7 @@ class _Scored:
 def score_regions(model, naive_seqs: list[NaiveSequence], regions: list[DiffRegion], device,
                   chunk_tokens: int = 32768) -> None:
     """Fill each region's naive_logprobs: log p(naive token | naive prefix) under `model`."""
-    from spirl.core.parity import sampled_logprobs
+    from spirl.numerics.parity import sampled_logprobs
 
     wanted: dict[int, set[int]] = {}
     for r in regions:

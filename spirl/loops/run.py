@@ -52,7 +52,8 @@ from ..core.preflight import (
     resolve_model,
     validate_model_dir,
 )
-from ..core.policy import Policy, build_policy_and_engine, resume_into, sync_weights
+from ..core.build import build_policy_and_engine
+from ..core.policy import Policy, resume_into, sync_weights
 
 log = logging.getLogger("spirl.loops.run")
 

@@ -43,7 +43,7 @@ from ..core.distributed import World, shard_of
 from .loss import grpo_advantages, grpo_loss, pad
 from ..core.multiturn import episode_metrics, run_episodes
 from ..core.optim import clip_grad_norm, step_with_deltas
-from ..core.parity import (
+from ..numerics.parity import (
     ParityReport,
     SamplingDist,
     check_parity,

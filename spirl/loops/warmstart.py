@@ -51,7 +51,7 @@ def scripted_episode(env, prompt_ids: list[int], meta: dict, rng: random.Random)
     import json
 
     from ..tasks.calculator_tool import run_tool_call
-    from ..core.trajectory import Trajectory
+    from ..numerics.trajectory import Trajectory
 
     tok, fmt = env.tokenizer, env.format
     expr = meta["messages"][0]["content"].split("What is ", 1)[1].split("?", 1)[0]
@@ -69,7 +69,7 @@ def scripted_episode(env, prompt_ids: list[int], meta: dict, rng: random.Random)
 
 def arith_example(task, rng: random.Random, correct_share: float):
     """A training problem of spirl.tasks.arith answered by the carry-forgetting teacher, as a Sample."""
-    from ..engines.base import Sample
+    from ..numerics.samples import Sample
     from ..tasks.arith import carry_free_sum
 
     prompt, meta = task.prompts(rng, 1)[0]
@@ -101,7 +101,7 @@ def warmstart(model_dir: Path, out: Path, steps: int, batch: int, lr: float, see
     import weights_vllm_compat
 
     from ..core.config import TrainConfig
-    from ..core.parity import sampled_logprobs
+    from ..numerics.parity import sampled_logprobs
     from ..core.policy import build_policy
 
     torch.manual_seed(seed)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..core.chat_format import ToolChatFormat
 from ..core.multiturn import EnvReply, Meta
-from ..core.trajectory import Trajectory
+from ..numerics.trajectory import Trajectory
 from .calculator_tool import TOOL_SPEC, ToolError, find_tool_call, run_tool_call
 
 POOL_SIZE = 512

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-from ..engines.base import Request, Sample
-from ..core.parity import ParityError, check_parity, every_token_logprobs
+from ..engines.base import Request
+from ..numerics.samples import Sample
+from ..numerics.parity import ParityError, check_parity, every_token_logprobs
 from . import losses
 
 log = logging.getLogger("spirl.tinker")
@@ -139,7 +140,7 @@ class Session:
 
     def _build(self) -> None:
         from ..core.config import TrainConfig
-        from ..core.policy import build_policy_and_engine
+        from ..core.build import build_policy_and_engine
         from ..core.preflight import resolve_device
 
         self.device = resolve_device("auto" if self.cfg.engine == "vllm" else "cpu")
@@ -150,7 +151,7 @@ class Session:
                          max_model_len=self.cfg.max_model_len, lora_rank=spec.rank if spec else 0,
                          kl_coef=0.0, device=str(self.device)).validate()
         self.train_config = tc
-        self.policy, self.engine = build_policy_and_engine(self.model_dir, tc, self.device, lora=self.lora)
+        self.policy, self.engine = build_policy_and_engine(self.model_dir, tc, self.device, init=self.lora)
         if self.cfg.engine == "native":  # plain PyTorch on the CPU is not batch invariant: see NativeEngine
             self.engine.one_per_forward = True
         log.info("Tinker backend ready: %s on %s (%s, %s)", self.base_model, self.device, self.cfg.engine,
@@ -386,7 +387,7 @@ class Session:
     def _logprobs(self, seqs, inputs) -> tuple[torch.Tensor, list[int]]:
         """The trainer's logprob of every target of the datums ([sum of N], float32), one packed
         forward, and each datum's N."""
-        from ..core.parity import pack_sampled
+        from ..numerics.parity import pack_sampled
 
         packed, rows, _, sizes = pack_sampled(seqs, self.device)
         targets = torch.cat([t for t, _ in inputs]).to(self.device)

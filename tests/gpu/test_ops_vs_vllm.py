@@ -64,7 +64,7 @@ def test_rms_norm_without_residual(pair):
 
 
 def test_rms_norm_with_residual_is_patched_to_add_then_norm(pair):
-    """vLLM's residual path (patched by spirl.core.vllm_patches) == bf16 add, then our rms_norm."""
+    """vLLM's residual path (patched by spirl.numerics.vllm_patches) == bf16 add, then our rms_norm."""
     vm, ours = pair
     norm = vm.model.layers[1].input_layernorm
     x, res = rand(T, ours.args.dim, seed=1), rand(T, ours.args.dim, seed=2)

@@ -76,7 +76,7 @@ def test_real_shapes_parity_matrix(shape, tmp_path):
 def test_localizer_on_real_vllm(tiny_harness):
     """Same tokens through vLLM's model and ours under hooks: no divergence; with RMSNorm
     swapped for plain PyTorch the first divergence is layer 0's input norm."""
-    from spirl.core.localize import localize_sample
+    from spirl.numerics.localize import localize_sample
 
     ids = parity_matrix.random_prompts([333], 11)[0]
     clean = localize_sample(tiny_harness, ids)

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import batch_invariant_backward as bib
-from spirl.engines.base import Sample
-from spirl.core.parity import SamplingDist, sampled_logprobs_and_entropy
+from spirl.numerics.samples import Sample
+from spirl.numerics.parity import SamplingDist, sampled_logprobs_and_entropy
 
 LENGTHS = [1, 77, 300, 1500]
 DIST = SamplingDist(temperature=0.7, min_p=0.05)

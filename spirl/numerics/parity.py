@@ -1,7 +1,7 @@
 """Trainer-side logprobs of sampled tokens, and the bitwise comparison with the engine's.
 
 The trainer recomputes every trainable sequence (a single-turn Sample or a multi-turn
-Trajectory: `ids`, `loss_mask`, `logprobs`, see spirl.engines.base) in one packed forward and
+Trajectory: `ids`, `loss_mask`, `logprobs`, see spirl.numerics.samples) in one packed forward and
 takes the logprob of each sampled token (loss_mask True) from the row that predicts it: token i
 of a sequence is predicted by row i - 1 of that sequence.
 """
@@ -19,9 +19,9 @@ import torch
 from torchtitan_compat import PackedTokens, pack
 from torchtitan_compat.packing import flatten
 
-from ..engines.base import Sample
+from .samples import Sample
 
-log = logging.getLogger("spirl.core.parity")
+log = logging.getLogger("spirl.numerics.parity")
 
 
 class ParityError(RuntimeError):
@@ -187,7 +187,7 @@ def _report_mismatch(report: ParityReport, samples, trainer_lps, step: int, run_
         try:
             from types import SimpleNamespace
 
-            from spirl.core.localize import localize_sample
+            from spirl.numerics.localize import localize_sample
 
             detail["localization"] = localize_sample(SimpleNamespace(engine=engine, model=policy.model),
                                                      s.ids[:position + 1])
