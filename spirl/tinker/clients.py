@@ -39,7 +39,7 @@ from tinker.lib.public_interfaces.custom_loss import LossHandle, trace_loss
 from ..engines.base import Request
 from . import losses, rest
 from .backend import TRAIN_TARGETS, BackendConfig, Session
-from .surface import sdk_surface
+from .surface import forward_future, forward_sync, sdk_surface
 
 log = logging.getLogger("spirl.tinker")
 
@@ -185,8 +185,7 @@ class ServiceClient(tinker.ServiceClient):
         return _training_future(done_future(TrainingClient(self._attach(base_model, lora, seed, user_metadata),
                                                            user_metadata)))
 
-    async def create_lora_training_client_async(self, *args, **kwargs):
-        return await self.create_lora_training_client(*args, **kwargs)
+    create_lora_training_client_async = forward_sync("create_lora_training_client_async")
 
     def create_full_training_client(self, base_model: str, seed: int | None = None, user_metadata=None):
         """SPIRL's addition: full fine-tuning (fp32 masters, AdamW on every weight)."""
@@ -202,11 +201,9 @@ class ServiceClient(tinker.ServiceClient):
                                                          weights_access_token=None):
         return _training_future(self._from_state(path, True, base_model, user_metadata))
 
-    async def create_training_client_from_state_async(self, *a, **kw):
-        return await self.create_training_client_from_state(*a, **kw)
-
-    async def create_training_client_from_state_with_optimizer_async(self, *a, **kw):
-        return await self.create_training_client_from_state_with_optimizer(*a, **kw)
+    create_training_client_from_state_async = forward_sync("create_training_client_from_state_async")
+    create_training_client_from_state_with_optimizer_async = forward_sync(
+        "create_training_client_from_state_with_optimizer_async")
 
     def _from_state(self, path: str, with_optimizer: bool, base_model, user_metadata):
         state = _read_state(local_path(path))
@@ -255,8 +252,7 @@ class ServiceClient(tinker.ServiceClient):
             Path(session.cfg.root), self.session_id, sampler_id=f.result().sampler_id))
         return SamplingClientFuture(fut)
 
-    async def create_sampling_client_async(self, *a, **kw):
-        return await self.create_sampling_client(*a, **kw)
+    create_sampling_client_async = forward_sync("create_sampling_client_async")
 
     def create_rest_client(self):
         return rest.RestClient()
@@ -467,23 +463,12 @@ class TrainingClient(tinker.TrainingClient):
         return None
 
     # the SDK's async twins: these return a future to await again (the SDK's "double await") ...
-    async def forward_async(self, *a, **kw):
-        return self.forward(*a, **kw)
-
-    async def forward_backward_async(self, *a, **kw):
-        return self.forward_backward(*a, **kw)
-
-    async def forward_backward_custom_async(self, *a, **kw):
-        return self.forward_backward_custom(*a, **kw)
-
-    async def optim_step_async(self, *a, **kw):
-        return self.optim_step(*a, **kw)
-
-    async def save_state_async(self, *a, **kw):
-        return self.save_state(*a, **kw)
-
-    async def save_weights_for_sampler_async(self, *a, **kw):
-        return self.save_weights_for_sampler(*a, **kw)
+    forward_async = forward_future("forward_async")
+    forward_backward_async = forward_future("forward_backward_async")
+    forward_backward_custom_async = forward_future("forward_backward_custom_async")
+    optim_step_async = forward_future("optim_step_async")
+    save_state_async = forward_future("save_state_async")
+    save_weights_for_sampler_async = forward_future("save_weights_for_sampler_async")
 
     async def load_state_async(self, path: str, weights_access_token=None):
         return self._submit(self._load_state, path, False)
@@ -495,11 +480,8 @@ class TrainingClient(tinker.TrainingClient):
     async def get_info_async(self):
         return self.get_info()
 
-    async def save_weights_and_get_sampling_client_async(self, *a, **kw):
-        return await self.save_weights_and_get_sampling_client(*a, **kw)
-
-    async def create_sampling_client_async(self, *a, **kw):
-        return await self.create_sampling_client(*a, **kw)
+    save_weights_and_get_sampling_client_async = forward_sync("save_weights_and_get_sampling_client_async")
+    create_sampling_client_async = forward_sync("create_sampling_client_async")
 
 
 def _refuse_existing(directory: Path, path: str, overwrite: bool) -> None:
@@ -636,8 +618,7 @@ class SamplingClient(tinker.SamplingClient):
         fut.add_done_callback(done)
         return AwaitableConcurrentFuture(out)
 
-    async def sample_async(self, *a, **kw):
-        return await self.sample(*a, **kw)
+    sample_async = forward_sync("sample_async")
 
     def compute_logprobs(self, prompt, prompt_logprobs_last_n=None):
         def run():
@@ -646,8 +627,7 @@ class SamplingClient(tinker.SamplingClient):
             return lps[-prompt_logprobs_last_n:] if prompt_logprobs_last_n else lps
         return _on_worker(self._s, run)
 
-    async def compute_logprobs_async(self, *a, **kw):
-        return await self.compute_logprobs(*a, **kw)
+    compute_logprobs_async = forward_sync("compute_logprobs_async")
 
     def get_tokenizer(self):
         return _tokenizer(self._s)

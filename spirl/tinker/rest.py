@@ -29,7 +29,7 @@ from pathlib import Path
 import tinker
 from tinker import types
 
-from .surface import sdk_surface
+from .surface import forward_sync, sdk_surface
 
 log = logging.getLogger("spirl.tinker")
 
@@ -321,35 +321,14 @@ class RestClient(tinker.RestClient):
         return None
 
     # the SDK's async twins return the value
-    async def get_training_run_async(self, *a, **kw):
-        return await self.get_training_run(*a, **kw)
-
-    async def get_training_run_by_tinker_path_async(self, *a, **kw):
-        return await self.get_training_run_by_tinker_path(*a, **kw)
-
-    async def list_training_runs_async(self, *a, **kw):
-        return await self.list_training_runs(*a, **kw)
-
-    async def list_checkpoints_async(self, *a, **kw):
-        return await self.list_checkpoints(*a, **kw)
-
-    async def list_user_checkpoints_async(self, *a, **kw):
-        return await self.list_user_checkpoints(*a, **kw)
-
-    async def delete_checkpoint_async(self, *a, **kw):
-        return await self.delete_checkpoint(*a, **kw)
-
-    async def delete_checkpoint_from_tinker_path_async(self, *a, **kw):
-        return await self.delete_checkpoint_from_tinker_path(*a, **kw)
-
-    async def set_checkpoint_ttl_from_tinker_path_async(self, *a, **kw):
-        return await self.set_checkpoint_ttl_from_tinker_path(*a, **kw)
-
-    async def list_sessions_async(self, *a, **kw):
-        return await self.list_sessions(*a, **kw)
-
-    async def get_session_async(self, *a, **kw):
-        return await self.get_session(*a, **kw)
-
-    async def get_sampler_async(self, *a, **kw):
-        return await self.get_sampler(*a, **kw)
+    get_training_run_async = forward_sync("get_training_run_async")
+    get_training_run_by_tinker_path_async = forward_sync("get_training_run_by_tinker_path_async")
+    list_training_runs_async = forward_sync("list_training_runs_async")
+    list_checkpoints_async = forward_sync("list_checkpoints_async")
+    list_user_checkpoints_async = forward_sync("list_user_checkpoints_async")
+    delete_checkpoint_async = forward_sync("delete_checkpoint_async")
+    delete_checkpoint_from_tinker_path_async = forward_sync("delete_checkpoint_from_tinker_path_async")
+    set_checkpoint_ttl_from_tinker_path_async = forward_sync("set_checkpoint_ttl_from_tinker_path_async")
+    list_sessions_async = forward_sync("list_sessions_async")
+    get_session_async = forward_sync("get_session_async")
+    get_sampler_async = forward_sync("get_sampler_async")

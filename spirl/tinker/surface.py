@@ -20,7 +20,6 @@ introspection rather than remembered.
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 from typing_extensions import deprecated
@@ -125,20 +124,6 @@ def forward_future(async_name: str):
     twin.__name__ = async_name
     twin.__doc__ = f"The SDK's async twin of {sync_name}: returns its future (await the call, then the future)."
     return twin
-
-
-def mirror_deprecation(sdk_cls: type, name: str, fn):
-    """`fn` warning as the SDK's `sdk_cls.name` does, if the SDK deprecates it (for callables built
-    outside a class body)."""
-    message = _sdk_deprecation(inspect.getattr_static(sdk_cls, name))
-    if not message:
-        return fn
-
-    @functools.wraps(fn)
-    def wrapped(*a, **kw):
-        return fn(*a, **kw)
-
-    return deprecated(message, category=FutureWarning)(wrapped)
 
 
 def surface_table(classes: list[type]) -> str:
