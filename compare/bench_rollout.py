@@ -29,23 +29,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def build_llm(engine_name: str, model: str, gpu_memory_utilization: float, max_model_len: int):
+    """The vllm.LLM of an engine name: `plain` (vLLM's defaults; the process must have
+    VLLM_BATCH_INVARIANT=0), `ours` or `ours:<cuda graph mode>` (the trainer's VLLMEngine)."""
+    if engine_name == "plain":
+        from vllm import LLM
+
+        return LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
+    from spirl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    mode = engine_name.split(":", 1)[1] if ":" in engine_name else VLLMEngineConfig.cuda_graphs
+    return VLLMEngine(VLLMEngineConfig(model, seed=0, gpu_memory_utilization=gpu_memory_utilization,
+                                       max_model_len=max_model_len, cuda_graphs=mode)).llm
+
+
 def worker(args) -> None:
     """Build one engine, time every (batch, new tokens) case, print one JSON line per case."""
     import torch
 
-    engine_name = args.worker
     t0 = time.perf_counter()
-    if engine_name == "plain":
-        from vllm import LLM
-
-        llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-                  gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
-    else:
-        from spirl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-
-        mode = engine_name.split(":", 1)[1] if ":" in engine_name else VLLMEngineConfig.cuda_graphs
-        llm = VLLMEngine(VLLMEngineConfig(args.model, seed=0, gpu_memory_utilization=args.gpu_memory_utilization,
-                                          max_model_len=args.max_model_len, cuda_graphs=mode)).llm
+    llm = build_llm(args.worker, args.model, args.gpu_memory_utilization, args.max_model_len)
     start = time.perf_counter() - t0
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

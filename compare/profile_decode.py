@@ -1,9 +1,13 @@
-"""Where a decode step's time goes: torch.profiler over this project's engine, top CUDA kernels.
+"""Where a rollout's time goes: torch.profiler over this project's engine (or plain vLLM), top CUDA kernels.
 
     VLLM_BATCH_INVARIANT=1 python compare/profile_decode.py --model DIR --batches 8,64 [--cuda-graphs none]
+    VLLM_BATCH_INVARIANT=0 python compare/profile_decode.py --engine plain --model DIR --batches 8,64
 
-Generates --new-tokens tokens for each batch (prompt --prompt-len random ids, after a warm-up) under
-torch.profiler and prints the kernels that take the most GPU time, with their share of the total.
+For each batch (prompt --prompt-len random ids, after a warm-up) it profiles a prefill (one new
+token) and a whole rollout (--new-tokens tokens), and prints the kernels that take the most GPU
+time in each, with their share of the total; the rollout's minus the prefill's is the decode.
+`--engine plain` is vLLM with its defaults (torch.compile, CUDA graphs), as compare/bench_rollout.py
+builds it: the same table for what a user would run instead.
 Eager mode (`--cuda-graphs none`) shows the same kernels as the graphs replay, without hiding
 any of them inside a graph; with graphs the CPU launch gaps disappear.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,10 +28,12 @@ def main(argv=None) -> int:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from spirl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from compare.bench_rollout import build_llm
+    from spirl.engines.vllm_engine import VLLMEngineConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
+    p.add_argument("--engine", default="ours", choices=["ours", "plain"])
     p.add_argument("--batches", default="8,64")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -34,28 +41,33 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--trace-dir", help="also write a Chrome trace per batch here")
     args = p.parse_args(argv)
-    llm = VLLMEngine(VLLMEngineConfig(args.model, gpu_memory_utilization=0.8,
-                                      cuda_graphs=args.cuda_graphs)).llm
+    engine = args.engine if args.engine == "plain" else f"ours:{args.cuda_graphs}"
+    llm = build_llm(engine, args.model, 0.8, args.prompt_len + args.new_tokens + 16)
     g = torch.Generator().manual_seed(0)
     for batch in map(int, args.batches.split(",")):
         prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (args.prompt_len,), generator=g).tolist())
                    for _ in range(batch)]
-        params = SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, ignore_eos=True,
-                                temperature=1.0, logprobs=0, seed=0)
-        llm.generate(prompts, params, use_tqdm=False)  # warm-up
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            llm.generate(prompts, params, use_tqdm=False)
+        for phase, new in (("prefill", 1), ("rollout", args.new_tokens)):
+            params = SamplingParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, logprobs=0,
+                                    seed=0)
+            llm.generate(prompts, params, use_tqdm=False)  # warm-up
             torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        total = sum(e.self_device_time_total for e in events) or 1.0
-        print(f"\n== batch {batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, cuda graphs "
-              f"{args.cuda_graphs}: GPU kernel time {total / 1e3:.1f} ms")
-        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
-            print(f"  {100 * e.self_device_time_total / total:5.1f}%  {e.self_device_time_total / 1e3:8.2f} ms  "
-                  f"{e.count:6d} calls  {e.key[:90]}")
-        if args.trace_dir:
-            Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(Path(args.trace_dir) / f"decode_b{batch}.json"))
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                llm.generate(prompts, params, use_tqdm=False)
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            total = sum(e.self_device_time_total for e in events) or 1.0
+            print(f"\n== {args.engine} {phase}: batch {batch}, prompt {args.prompt_len}, {new} new tokens, "
+                  f"cuda graphs {args.cuda_graphs if args.engine == 'ours' else 'vllm default'}: GPU kernel time "
+                  f"{total / 1e3:.1f} ms, wall {wall * 1e3:.1f} ms (profiled)")
+            for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
+                print(f"  {100 * e.self_device_time_total / total:5.1f}%  {e.self_device_time_total / 1e3:8.2f} ms  "
+                      f"{e.count:6d} calls  {e.key[:90]}")
+            if args.trace_dir:
+                Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(Path(args.trace_dir) / f"{args.engine}_{phase}_b{batch}.json"))
     return 0
 
 
