@@ -33,8 +33,8 @@ from torchtitan_compat.safetensors_io import save_tensors, write_safetensors
 from torchtitan_compat.config import (
     SHAPES,
     ConfigError,
+    ModelDir,
     hf_config_for_shape,
-    load_hf_config,
     model_args_from_hf_config,
 )
 
@@ -245,16 +245,31 @@ def _read_safetensors(model_dir: Path) -> dict:
     raise WeightsError(f"{model_dir} has no model.safetensors; is it a Hugging Face checkpoint directory?")
 
 
-def load_hf_checkpoint(model_dir: str | Path) -> tuple[dict, dict]:
-    """(config.json dict, HF state dict) of a validated local Qwen3 safetensors checkpoint."""
+def read_model_dir(model_dir: str | Path | ModelDir) -> ModelDir:
+    """A checkpoint directory with its config.json read and checked (a WeightsError in one line), or
+    `model_dir` itself when its config was read and checked already (a ModelDir): never twice."""
+    if isinstance(model_dir, ModelDir):
+        return model_dir
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise WeightsError(f"model directory {model_dir} does not exist; pass a Qwen3 checkpoint directory")
     try:
-        cfg = load_hf_config(model_dir)
-        model_args = model_args_from_hf_config(cfg)
+        return ModelDir.read(model_dir)
     except ConfigError as e:
         raise WeightsError(f"{model_dir}: {e}") from None
+
+
+def load_hf_checkpoint(model_dir: str | Path | ModelDir) -> tuple[dict, dict]:
+    """(config.json dict, HF state dict) of a validated local Qwen3 safetensors checkpoint (a
+    ModelDir's config is not read again)."""
+    checkpoint = read_model_dir(model_dir)
+    return checkpoint.hf_config, hf_state_dict(checkpoint)
+
+
+def hf_state_dict(checkpoint: ModelDir) -> dict:
+    """The HF state dict of a checkpoint whose config.json was read and checked (read_model_dir),
+    validated against that config."""
+    model_args, model_dir = checkpoint.args, checkpoint.path
     sd = _read_safetensors(model_dir)
     # Non-learned RoPE buffers that some exporters include: nothing to load, so ignore them.
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -262,7 +277,7 @@ def load_hf_checkpoint(model_dir: str | Path) -> tuple[dict, dict]:
         sd = _drop_tied_output(sd, "lm_head.weight", "model.embed_tokens.weight", str(model_dir))
     check_state_dict(sd, expected_hf_shapes(model_args), str(model_dir),
                      "the weights do not match config.json: re-download or regenerate the checkpoint")
-    return cfg, sd
+    return sd
 
 
 def resolve_model_dir(model: str = DEFAULT_MODEL, local_dir: str | Path | None = None) -> Path:

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_compat import Qwen3VLLMCompatModel, model_args_from_hf_config, select_backend
+from torchtitan_compat import Qwen3VLLMCompatModel, select_backend
+from torchtitan_compat.config import ModelDir
 from weights import (WeightsError, check_state_dict, expected_titan_shapes, hf_names_of_titan, hf_to_titan,
-                     load_hf_checkpoint, titan_to_hf)
+                     hf_state_dict, read_model_dir, titan_to_hf)
 
 _HINT = "the weights do not match the model config"
 
@@ -157,12 +158,14 @@ def compat_part_to_hf(compat_part: dict, model_args) -> Iterator[tuple[str, torc
     return iter(hf_names_of_titan(_split_to_titan(compat_part, model_args), model_args).items())
 
 
-def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32,
+def load_model(model_dir: str | Path | ModelDir, device="cpu", dtype=torch.float32,
                backend: str | object = "auto") -> Qwen3VLLMCompatModel:
     """A Qwen3VLLMCompatModel in the merged layout from a validated HF checkpoint directory
-    (safetensors only). `backend`: a kernel-backend name (`auto`, `reference`, `vllm`) or object."""
-    hf_config, hf_sd = load_hf_checkpoint(model_dir)
-    args = model_args_from_hf_config(hf_config)
+    (safetensors only; a ModelDir's config is not read again). `backend`: a kernel-backend name
+    (`auto`, `reference`, `vllm`) or object."""
+    checkpoint = read_model_dir(model_dir)
+    args = checkpoint.args
+    hf_sd = hf_state_dict(checkpoint)
     compat_sd = hf_to_compat(hf_sd, args)
     with torch.device("meta"):
         model = Qwen3VLLMCompatModel(args, backend="reference")

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     from spirl.core.config import TrainConfig
     from spirl.core.build import build_policy_and_engine
     from torchtitan_compat import model_args_from_hf_config
-    from torchtitan_compat.config import load_hf_config
+    from torchtitan_compat.config import ModelDir, load_hf_config
     from torchtitan_compat.peft_adapter import read_adapter
 
     prepare_environment()
@@ -74,7 +74,9 @@ def main(argv=None) -> int:
     cfg = TrainConfig(model=a.model, engine="native", dtype="bfloat16", device="cuda", lora_init=a.adapter).validate()
     from spirl.core.lora import resolve_spec
 
-    policy, _ = build_policy_and_engine(Path(a.model), cfg, torch.device("cuda"), init=resolve_spec(cfg, args, Path(a.model)))
+    model = ModelDir.read(a.model)
+    policy, _ = build_policy_and_engine(model, cfg.policy_spec(resolve_spec(cfg, model.args, model.path)),
+                                        torch.device("cuda"))
     from spirl.numerics.samples import Sample
     from spirl.numerics.parity import sampled_logprobs
     from torchtitan_compat import select_backend

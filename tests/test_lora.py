@@ -314,6 +314,7 @@ def test_lora_init_starts_from_the_adapter(lora_runs, tiny_ckpt):
     from spirl.core.lora import resolve_spec
     from spirl.core.preflight import model_fingerprint
     from spirl.core.build import build_policy_and_engine
+    from torchtitan_compat.config import ModelDir
 
     tmp, _, _ = lora_runs
     adapter = tmp / "ckpt" / "full" / "step_000002"
@@ -321,7 +322,7 @@ def test_lora_init_starts_from_the_adapter(lora_runs, tiny_ckpt):
     args = load_model(tiny_ckpt).args
     init = resolve_spec(cfg, args, tiny_ckpt, model_fingerprint(tiny_ckpt))
     assert init.spec.rank == 4 and "lm_head" in init.spec.targets
-    policy, _ = build_policy_and_engine(tiny_ckpt, cfg, torch.device("cpu"), init=init)
+    policy, _ = build_policy_and_engine(ModelDir.read(tiny_ckpt), cfg.policy_spec(init), torch.device("cpu"))
     _, params, _ = read_adapter(adapter, args)
     assert all(torch.equal(policy.masters[n].detach(), t) for n, t in params.items())
     with pytest.raises(LoRAError, match="contradict"):

@@ -68,9 +68,11 @@ def test_activation_checkpointing_changes_no_gradient_bit(tiny_ckpt):
 
 def test_no_reference_model_without_kl(tiny_ckpt, tmp_path):
     from spirl.core.policy import build_policy
+    from torchtitan_compat.config import ModelDir
 
-    assert build_policy(tiny_ckpt, _cfg(tiny_ckpt, tmp_path, kl_coef=0.0), torch.device("cpu")).ref is None
-    assert build_policy(tiny_ckpt, _cfg(tiny_ckpt, tmp_path, kl_coef=0.1), torch.device("cpu")).ref is not None
+    model = ModelDir.read(tiny_ckpt)
+    assert build_policy(model, _cfg(tiny_ckpt, tmp_path, kl_coef=0.0).policy_spec(), torch.device("cpu")).ref is None
+    assert build_policy(model, _cfg(tiny_ckpt, tmp_path, kl_coef=0.1).policy_spec(), torch.device("cpu")).ref is not None
 
 
 def test_sampling_logprobs_are_of_the_distribution_that_sampled(tiny_ckpt, tmp_path):
@@ -100,17 +102,39 @@ def test_engine_gets_the_configs_settings(tiny_ckpt, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from spirl.core.distributed import World
+    from torchtitan_compat.config import ModelDir
 
     one, ranks = SimpleNamespace(world=World()), SimpleNamespace(world=World(size=2, sharded=True))
-    trainer.build_engine(cfg, tiny_ckpt, policy=one)
+    model = ModelDir.read(tiny_ckpt)
+    trainer.build_engine(cfg.policy_spec().engine, model, policy=one)
     cfg2 = TrainConfig(model=str(tiny_ckpt), engine="vllm").validate()
-    trainer.build_engine(cfg2, tiny_ckpt, policy=one)
-    trainer.build_engine(cfg2, tiny_ckpt, policy=ranks)
+    trainer.build_engine(cfg2.policy_spec().engine, model, policy=one)
+    trainer.build_engine(cfg2.policy_spec().engine, model, policy=ranks)
     a, b, c = built
     assert (a.gpu_memory_utilization, a.cuda_graphs, a.max_model_len, a.sleep_between_rollouts, a.logprobs_mode) == \
         (0.25, "none", 9000, True, "raw_logprobs")
     assert (b.cuda_graphs, b.logprobs_mode, b.sleep_between_rollouts) == ("full_decode_only", "processed_logprobs", False)
     assert (a.external_launcher, b.external_launcher, c.external_launcher) == (False, False, True)  # torchrun
+    assert a.model_args is model.args  # the engine checks the args read once, not config.json again
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_building_a_policy_reads_config_json_no_more(tiny_ckpt, monkeypatch, lora):
+    """The checkpoint's config.json is read and checked once, by the caller (a ModelDir), then passed
+    down: building the policy and its engine, through every loader, reads it no more."""
+    import torchtitan_compat.config as config
+    from spirl.core.build import build_policy_and_engine
+    from spirl.core.spec import EngineSpec, LoRAInit, PolicySpec
+    from torchtitan_compat.lora import LoRASpec
+
+    model = config.ModelDir.read(tiny_ckpt)
+    reads, real = [], config._read_config_json
+    monkeypatch.setattr(config, "_read_config_json", lambda d: reads.append(d) or real(d))
+    spec = PolicySpec(model=str(tiny_ckpt), engine=EngineSpec(kind="native", logprobs="raw"), dtype="float32",
+                      lora=LoRAInit(LoRASpec(2, 4.0, ("q_proj", "v_proj"))) if lora else None)
+    policy, engine = build_policy_and_engine(model, spec, torch.device("cpu"))
+    assert reads == [] and policy.model.args == model.args and engine.model is policy.model
+    assert len(policy.masters) == (2 * 2 * 2 if lora else len(dict(policy.model.named_parameters())))
 
 
 @pytest.mark.parametrize("head_dim", [64, 96])

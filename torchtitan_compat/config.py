@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan.models.qwen3 import Qwen3ModelArgs
@@ -240,8 +241,7 @@ def model_args_from_hf_config(cfg: dict) -> Qwen3ModelArgs:
     )
 
 
-def load_hf_config(model_dir: str | Path) -> dict:
-    """Read and validate `<model_dir>/config.json`."""
+def _read_config_json(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise ConfigError(f"model directory {model_dir} does not exist")
@@ -250,8 +250,32 @@ def load_hf_config(model_dir: str | Path) -> dict:
     if (Path(model_dir) / "hf_quant_config.json").is_file():  # vLLM reads quantization from here too
         raise ConfigError(f"{model_dir} has hf_quant_config.json (quantized weights); use an unquantized checkpoint")
     try:
-        cfg = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    model_args_from_hf_config(cfg)  # validates
-    return cfg
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """A checkpoint directory whose config.json was read and checked once, with the model args it implies.
+
+    The loaders (weights.load_hf_checkpoint, weights_vllm_compat.load_model) and the vLLM engine take
+    it in place of the bare directory: building a policy passes the checkpoint through several of
+    them, and each used to read, parse and check config.json again."""
+
+    path: Path
+    hf_config: dict
+    """config.json as read."""
+    args: Qwen3ModelArgs
+    """The torchtitan model args it implies (every refusal of `model_args_from_hf_config` passed)."""
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> "ModelDir":
+        """Read and check `<model_dir>/config.json`; ConfigError (one line) on anything unsupported."""
+        hf_config = _read_config_json(model_dir)
+        return cls(Path(model_dir), hf_config, model_args_from_hf_config(hf_config))
+
+
+def load_hf_config(model_dir: str | Path) -> dict:
+    """Read and validate `<model_dir>/config.json`."""
+    return ModelDir.read(model_dir).hf_config

@@ -2,6 +2,7 @@
 what sets a run up around it. Above spirl.engines (the policy builds its engine) and spirl.numerics.
 
 build.py    build_policy_and_engine: the policy's one entry (full fine-tuning or LoRA)
+spec.py     PolicySpec: what a policy is built from (each client makes its own)
 policy.py   the policy: weights, the compute model, its engine, weight sync, resume
 lora.py     LoRA: adapters merged into the engine's own tensors
 optim.py    AdamW on fp32 masters, gradient clipping

@@ -15,6 +15,8 @@ import sys
 import textwrap
 from dataclasses import dataclass, fields
 
+from .spec import EngineSpec, LoRAInit, PolicySpec
+
 DTYPES = ("bfloat16", "float32")
 ENGINES = ("vllm", "native")
 LOGPROBS_MODES = ("sampling", "raw")
@@ -194,6 +196,17 @@ class TrainConfig:
             raise ConfigError("dtype must be bfloat16 with --engine vllm (vLLM runs bf16); use --engine native for float32")
         return self
 
+
+    def policy_spec(self, lora: LoRAInit | None = None) -> PolicySpec:
+        """The policy this run trains (spirl.core.build.build_policy_and_engine's spec): `lora` is what
+        spirl.core.lora.resolve_spec made of the LoRA flags, None for full fine-tuning."""
+        engine = EngineSpec(kind=self.engine, logprobs=self.logprobs, seed=self.seed,
+                            gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_len,
+                            eager=bool(self.eager), sleep_between_rollouts=bool(self.vllm_sleep))
+        return PolicySpec(model=self.model, engine=engine, dtype=self.dtype, lora=lora, lr=self.lr,
+                          weight_decay=self.weight_decay, reference=self.kl_coef > 0,
+                          activation_checkpointing=bool(self.activation_checkpointing), lora_base=self.lora_base,
+                          seed=self.seed)
 
     @property
     def lora(self) -> bool:

@@ -16,7 +16,9 @@ parity is full fine-tuning's problem. One copy of the weights is on the GPU:
 
 Only the adapters (float32) have gradients and AdamW state. The reference policy (kl_coef > 0) is
 the initial adapters: merged in for the reference forward, merged out after. Checkpoints hold the
-adapters as a PEFT adapter (spirl.core.checkpoint); `--lora-init` starts from one.
+adapters as a PEFT adapter (spirl.core.checkpoint); `--lora-init` starts from one. What to build
+comes in a PolicySpec whose `lora` (spirl.core.spec.LoRAInit) is set; resolve_spec makes that
+LoRAInit from simple_rl.py's flags.
 """
 
 from __future__ import annotations
@@ -28,23 +30,18 @@ from pathlib import Path
 
 import torch
 
+from torchtitan_compat.config import ModelDir
 from torchtitan_compat.lora import DEFAULT_ALPHA, LoRAError, LoRALinear, LoRASpec, check_spec, parse_targets
 from torchtitan_compat.peft_adapter import AdapterError, read_adapter
 
 from .config import TrainConfig
 from .policy import Policy
+from .spec import LoRAInit, PolicySpec
 
 log = logging.getLogger("spirl.core.lora")
 
 FINGERPRINT_KEY = "spirl_base_fingerprint"
 """Safetensors metadata key of the adapters SPIRL writes: the base checkpoint's fingerprint."""
-
-
-@dataclass
-class LoRAInit:
-    spec: LoRASpec
-    params: dict[str, torch.Tensor] | None = None
-    """Adapter tensors to start from (--lora-init), else None: PEFT's initialization (B = 0)."""
 
 
 def resolve_spec(cfg: TrainConfig, args, model_dir: Path, fingerprint: str | None = None) -> LoRAInit:
@@ -107,18 +104,15 @@ class LoRAPolicy(Policy):
             self.push_masters_to_model()
 
 
-def _load_base(model_dir: Path, dtype: torch.dtype):
-    """(model args, compat state dict on the CPU in `dtype`): the frozen base, read once."""
-    from weights import load_hf_checkpoint
+def _load_base(model: ModelDir, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The compat state dict on the CPU in `dtype`: the frozen base, read once."""
+    from weights import hf_state_dict
     from weights_vllm_compat import hf_to_compat
 
-    from torchtitan_compat import model_args_from_hf_config
-
-    hf_config, hf_sd = load_hf_checkpoint(model_dir)
-    args = model_args_from_hf_config(hf_config)
-    compat = hf_to_compat(hf_sd, args)
+    hf_sd = hf_state_dict(model)
+    compat = hf_to_compat(hf_sd, model.args)
     del hf_sd
-    return args, {k: v.to(dtype) for k, v in compat.items()}
+    return {k: v.to(dtype) for k, v in compat.items()}
 
 
 def _adapted_keys(spec: LoRASpec, args) -> list[str]:
@@ -130,8 +124,9 @@ def _adapted_keys(spec: LoRASpec, args) -> list[str]:
     return keys + (["output.weight"] if "output" in paths else [])
 
 
-def build_lora_policy_and_engine(model_dir: Path, cfg: TrainConfig, device: torch.device, world, init: LoRAInit):
-    """(LoRAPolicy, engine) sharing one copy of the weights (see the module docstring)."""
+def build_lora_policy_and_engine(model: ModelDir, spec: PolicySpec, device: torch.device, world):
+    """(LoRAPolicy, engine) of `spec` (its `lora` set) sharing one copy of the weights (see the module
+    docstring)."""
     import weights_vllm_compat
 
     from torchtitan_compat import Qwen3VLLMCompatModel, select_backend
@@ -142,16 +137,16 @@ def build_lora_policy_and_engine(model_dir: Path, cfg: TrainConfig, device: torc
 
     if world.sharded:
         raise LoRAError("LoRA under torchrun (several GPUs) is not supported yet: run LoRA on one GPU")
-    dtype = getattr(torch, cfg.dtype)
-    spec = init.spec
-    args, compat = _load_base(model_dir, dtype)
-    untie = "lm_head" in spec.targets and args.enable_weight_tying
+    dtype = getattr(torch, spec.dtype)
+    lora, args = spec.lora.spec, model.args
+    compat = _load_base(model, dtype)
+    untie = "lm_head" in lora.targets and args.enable_weight_tying
     if untie:
         log.info("LoRA on lm_head with tied embeddings: the output projection gets its own weight (base = the "
                  "embedding); the input embedding stays frozen")
     engine = None
-    if cfg.engine == "vllm":
-        engine = build_engine(cfg, model_dir, None, load_format="dummy", untie_lm_head=untie)
+    if spec.engine.kind == "vllm":
+        engine = build_engine(spec.engine, model, None, load_format="dummy", untie_lm_head=untie)
         named = dict(weights_vllm_compat.compat_to_vllm_weights(compat, args))
         if untie:
             named["lm_head.weight"] = compat["tok_embeddings.weight"]
@@ -163,50 +158,51 @@ def build_lora_policy_and_engine(model_dir: Path, cfg: TrainConfig, device: torc
         if untie:
             weights["output.weight"] = compat["tok_embeddings.weight"].to(device, copy=True)
     base = {}  # the frozen base of every adapted weight; the rest lives only in the model (the engine)
-    for k in _adapted_keys(spec, args):
+    for k in _adapted_keys(lora, args):
         src = "tok_embeddings.weight" if k == "output.weight" and untie else k
         w = compat[src]
         if device.type == "cuda":
-            w = w.to(device, copy=True) if cfg.lora_base == "gpu" else w.pin_memory()
+            w = w.to(device, copy=True) if spec.lora_base == "gpu" else w.pin_memory()
         base[k] = w
         if src != "tok_embeddings.weight":
             del compat[src]  # one host copy at a time
     del compat
     with torch.device("meta"):
-        model = Qwen3VLLMCompatModel(args, backend="reference")
-    model.backend = select_backend("reference" if cfg.engine == "native" else "auto", device)
+        compute = Qwen3VLLMCompatModel(args, backend="reference")
+    compute.backend = select_backend("reference" if spec.engine.kind == "native" else "auto", device)
     head = weights.pop("output.weight", None) if untie else None
-    model.load_state_dict(weights, strict=True, assign=True)
-    model.requires_grad_(False)
-    model.activation_checkpointing = bool(cfg.activation_checkpointing)
-    apply_lora(model, spec, base, seed=cfg.seed, head_weight=head)
-    masters = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if init.params is not None:
+    compute.load_state_dict(weights, strict=True, assign=True)
+    compute.requires_grad_(False)
+    compute.activation_checkpointing = spec.activation_checkpointing
+    apply_lora(compute, lora, base, seed=spec.seed, head_weight=head)
+    masters = {n: p for n, p in compute.named_parameters() if p.requires_grad}
+    if spec.lora.params is not None:
         with torch.no_grad():
             for n, p in masters.items():
-                p.copy_(init.params[n])
-    modules = lora_modules(model)
+                p.copy_(spec.lora.params[n])
+    modules = lora_modules(compute)
     reference = None
-    if cfg.kl_coef > 0:
+    if spec.reference:
         reference = {path: {t: (m.lora_A[t].detach().clone(), m.lora_B[t].detach().clone()) for t, _, _ in m.blocks}
                      for path, m in modules.items()}
-    policy = LoRAPolicy(masters, model, None, build_adamw(masters, cfg.lr, cfg.weight_decay), world, dtype,
-                        spec=spec, modules=modules, reference_adapters=reference)
+    policy = LoRAPolicy(masters, compute, None, build_adamw(masters, spec.lr, spec.weight_decay), world, dtype,
+                        spec=lora, modules=modules, reference_adapters=reference)
     policy.push_masters_to_model()
     n = sum(p.numel() for p in masters.values())
     log.info("LoRA rank %d, alpha %g (scale %.4g) on %s: %s trainable parameters; frozen base in %s memory",
-             spec.rank, spec.alpha, spec.scale, ",".join(spec.targets), f"{n:,}",
-             "GPU" if device.type == "cuda" and cfg.lora_base == "gpu" else "host")
+             lora.rank, lora.alpha, lora.scale, ",".join(lora.targets), f"{n:,}",
+             "GPU" if device.type == "cuda" and spec.lora_base == "gpu" else "host")
     if engine is None:
-        engine = build_engine(cfg, model_dir, policy)
+        engine = build_engine(spec.engine, model, policy)
     return policy, engine
 
 
-def adapter_writer(policy: LoRAPolicy, cfg: TrainConfig, fingerprint: str):
-    """A function writing the policy's adapters as a PEFT adapter into a directory (for checkpoints)."""
+def adapter_writer(policy: LoRAPolicy, spec: PolicySpec, fingerprint: str):
+    """A function writing the policy's adapters as a PEFT adapter into a directory (for checkpoints);
+    the adapter records `spec.model` as its base model."""
     from torchtitan_compat.peft_adapter import write_adapter
 
     def write(directory: Path) -> None:
-        write_adapter(directory, policy.masters, policy.spec, base_model=cfg.model,
+        write_adapter(directory, policy.masters, policy.spec, base_model=spec.model,
                       metadata={FINGERPRINT_KEY: fingerprint})
     return write

@@ -7,7 +7,8 @@ model whose parameters are the cast of the masters (copied after every optimizer
 flow into the compute model and are accumulated into the masters' .grad in fp32. The engine
 receives the compute model's tensors, i.e. exactly the numbers the trainer's forward uses
 (`sync_weights`). LoRA (spirl/core/lora.py): the masters are the adapters, and the engine computes
-with the trainer's own merged weights. Which of the two a run gets is chosen in spirl/core/build.py.
+with the trainer's own merged weights. Both are built from a PolicySpec (spirl/core/spec.py); which
+of the two a run gets is chosen in spirl/core/build.py.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ import copy
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from .config import TrainConfig
-from .distributed import World, gathered_weight_groups, shard_model
+from torchtitan_compat.config import ModelDir
+
 from . import checkpoint as ckpt
+from .distributed import World, gathered_weight_groups, shard_model
 from .optim import build_adamw
+from .spec import EngineSpec, PolicySpec
 
 log = logging.getLogger("spirl.core.policy")
 
@@ -79,64 +81,64 @@ class Policy:
             p.grad = None
 
 
-def build_policy(model_dir: Path, cfg: TrainConfig, device: torch.device, world: World | None = None) -> Policy:
+def build_policy(model: ModelDir, spec: PolicySpec, device: torch.device, world: World | None = None) -> Policy:
+    """The full fine-tuning policy of `spec` (spec.lora is not looked at: spirl.core.build chooses)."""
     from weights_vllm_compat import load_model
 
     world = world or World(device=device)
-    dtype = getattr(torch, cfg.dtype)
-    backend = "reference" if cfg.engine == "native" else "auto"
+    dtype = getattr(torch, spec.dtype)
+    backend = "reference" if spec.engine.kind == "native" else "auto"
     if world.sharded:
-        return _build_sharded_policy(model_dir, cfg, device, world, dtype, backend)
-    master_model = load_model(model_dir, device=device, dtype=torch.float32, backend=backend)
+        return _build_sharded_policy(model, spec, device, world, dtype, backend)
+    master_model = load_model(model, device=device, dtype=torch.float32, backend=backend)
     # deepcopy first: .to() of a float32 model to float32 would otherwise share the masters' storage
-    model = copy.deepcopy(master_model).to(dtype)
-    model.activation_checkpointing = bool(cfg.activation_checkpointing)
-    ref = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
+    compute = copy.deepcopy(master_model).to(dtype)
+    compute.activation_checkpointing = spec.activation_checkpointing
+    ref = copy.deepcopy(compute).requires_grad_(False) if spec.reference else None
     masters = dict(master_model.named_parameters())
-    return Policy(masters, model, ref, build_adamw(masters, cfg.lr, cfg.weight_decay), world, dtype)
+    return Policy(masters, compute, ref, build_adamw(masters, spec.lr, spec.weight_decay), world, dtype)
 
 
-def _build_sharded_policy(model_dir, cfg, device, world: World, dtype, backend) -> Policy:
+def _build_sharded_policy(model: ModelDir, spec: PolicySpec, device, world: World, dtype, backend) -> Policy:
     """Each rank reads the checkpoint on its CPU; fully_shard moves each layer's shard to its GPU."""
     from weights_vllm_compat import load_model
 
     from torchtitan_compat import select_backend
 
-    model = load_model(model_dir, device="cpu", dtype=torch.float32, backend=backend)
-    model.backend = select_backend(backend, device)  # the GPU's kernels, not the CPU's
-    model.activation_checkpointing = bool(cfg.activation_checkpointing)
+    compute = load_model(model, device="cpu", dtype=torch.float32, backend=backend)
+    compute.backend = select_backend(backend, device)  # the GPU's kernels, not the CPU's
+    compute.activation_checkpointing = spec.activation_checkpointing
     ref = None
-    if cfg.kl_coef > 0:
-        ref = shard_model(copy.deepcopy(model).to(dtype).requires_grad_(False), world, dtype)
-    model = shard_model(model, world, dtype)
-    masters = dict(model.named_parameters())
-    return Policy(masters, model, ref, build_adamw(masters, cfg.lr, cfg.weight_decay), world, dtype)
+    if spec.reference:
+        ref = shard_model(copy.deepcopy(compute).to(dtype).requires_grad_(False), world, dtype)
+    compute = shard_model(compute, world, dtype)
+    masters = dict(compute.named_parameters())
+    return Policy(masters, compute, ref, build_adamw(masters, spec.lr, spec.weight_decay), world, dtype)
 
 
-def build_engine(cfg: TrainConfig, model_dir: Path, policy: Policy | None, **engine_settings):
+def build_engine(engine: EngineSpec, model: ModelDir, policy: Policy | None, **engine_settings):
     """The rollout engine: native (on the policy's model) or vLLM (`engine_settings` go to
     VLLMEngineConfig, e.g. LoRA's placeholder weights)."""
-    if cfg.engine == "native":
+    if engine.kind == "native":
         from ..engines.native_engine import NativeEngine
 
-        model = policy.model
+        decoder = policy.model
         if policy.world.sharded:  # the engine decodes on its own whole copy (weights synced into it)
             from weights_vllm_compat import load_model
 
-            model = load_model(model_dir, device=policy.world.device, dtype=policy.compute_dtype,
-                               backend="reference").requires_grad_(False)
-        return NativeEngine(model, EOS_IDS, logprobs=cfg.logprobs)
+            decoder = load_model(model, device=policy.world.device, dtype=policy.compute_dtype,
+                                 backend="reference").requires_grad_(False)
+        return NativeEngine(decoder, EOS_IDS, logprobs=engine.logprobs)
     from ..engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngine, VLLMEngineConfig
 
     return VLLMEngine(VLLMEngineConfig(
-        str(model_dir), seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_model_len=cfg.max_model_len, cuda_graphs="none" if cfg.eager else "full_decode_only",
-        logprobs_mode=VLLM_LOGPROBS_MODE[cfg.logprobs],
-        sleep_between_rollouts=bool(cfg.vllm_sleep),
-        external_launcher=policy is not None and policy.world.sharded, **engine_settings))
+        str(model.path), seed=engine.seed, gpu_memory_utilization=engine.gpu_memory_utilization,
+        max_model_len=engine.max_model_len, cuda_graphs="none" if engine.eager else "full_decode_only",
+        logprobs_mode=VLLM_LOGPROBS_MODE[engine.logprobs], sleep_between_rollouts=engine.sleep_between_rollouts,
+        external_launcher=policy is not None and policy.world.sharded, model_args=model.args, **engine_settings))
 
 
-def sync_weights(engine, policy: Policy, cfg: TrainConfig) -> None:
+def sync_weights(engine, policy: Policy, spec: PolicySpec) -> None:
     """Load the compute model's tensors (the trainer's exact forward weights) into the engine;
     sharded: gathered whole one layer at a time, on every rank, into that rank's engine."""
     import weights_vllm_compat
@@ -148,7 +150,7 @@ def sync_weights(engine, policy: Policy, cfg: TrainConfig) -> None:
     else:
         groups = [{k: v.detach() for k, v in policy.model.named_parameters()}]
     for group in groups:
-        if cfg.engine == "native":
+        if spec.engine.kind == "native":
             engine.load_weights(group.items())
         else:
             engine.load_weights(weights_vllm_compat.compat_part_to_hf(group, policy.model.args))

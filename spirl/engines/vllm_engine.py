@@ -65,6 +65,10 @@ class VLLMEngineConfig:
     trainer's process group (vLLM's `external_launcher` backend; every rank generates its own
     prompts). Tensor-parallel engines for models larger than one GPU would set
     tensor_parallel_size > 1 here: vLLM then groups consecutive ranks into one engine."""
+    model_args: object = None
+    """The checkpoint's torchtitan model args when the caller has read and checked its config.json
+    already (spirl.core.policy.build_engine passes its ModelDir's): the engine's own check uses them
+    instead of reading the file again (vLLM itself still reads config.json)."""
 
 
 VLLM_LOGPROBS_MODE = {"sampling": "processed_logprobs", "raw": "raw_logprobs"}
@@ -94,11 +98,12 @@ at head_dim 64). Head dims 80-96 get 144 without a page table (the trainer) and 
 (vLLM). Every released Qwen3 has head_dim 128."""
 
 
-def check_model_supported(model_dir: str) -> None:
-    """Refuse, in one line, a checkpoint whose rollouts vLLM 0.26 cannot make self-consistent."""
-    from torchtitan_compat.config import ConfigError, load_hf_config, model_args_from_hf_config
+def check_model_supported(model_dir: str, model_args=None) -> None:
+    """Refuse, in one line, a checkpoint whose rollouts vLLM 0.26 cannot make self-consistent
+    (`model_args`: its model args, if its config.json was read already)."""
+    from torchtitan_compat.config import ConfigError, ModelDir
 
-    head_dim = model_args_from_hf_config(load_hf_config(model_dir)).head_dim
+    head_dim = (model_args or ModelDir.read(model_dir).args).head_dim
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ConfigError(
             f"{model_dir}: head_dim {head_dim} is not supported with vLLM 0.26 (its FlashAttention-3 sums "
@@ -124,7 +129,7 @@ class VLLMEngine:
 
     def __init__(self, cfg: VLLMEngineConfig):
         prepare_environment(cfg.require_batch_invariant)
-        check_model_supported(cfg.model_dir)
+        check_model_supported(cfg.model_dir, cfg.model_args)
         vllm_patches.apply()
         from vllm import LLM
 

@@ -6,15 +6,16 @@ Setup order: cheap checks first (spirl/core/preflight.py), so that a bad setup f
   2. --engine vllm: VLLM_BATCH_INVARIANT=1, vLLM importable at the pinned version;
   3. the model resolved (a local directory, a Hub repo id, or `random:<shape>`) and validated from
      config.json and the safetensors headers alone (`validate_model_dir`: no tensor is read), so
-     an empty directory is reported as a missing checkpoint, not as a missing tokenizer;
+     an empty directory is reported as a missing checkpoint, not as a missing tokenizer; this is the
+     one read and check of config.json, passed down as a ModelDir;
   4. --resume: the checkpoint readable, written for this model (shapes), and its run started from
      this very model (the reference policy: `model_fingerprint`);
   5. the trainer's device: CUDA present for --engine vllm or --device cuda;
   6. the tokenizer and the task; every known prompt + --max-new-tokens within the engine's
      max_model_len (tasks whose prompts are not known up front: checked per generate call);
   7. on CUDA: the memory plan (spirl.core.memory_plan) refuses a run that would not fit;
-  8. the policy (fp32 masters, compute model, reference), the engine (which gets the trainer's
-     exact weights), then steps.
+  8. the policy (fp32 masters, compute model, reference), from the run's PolicySpec
+     (`TrainConfig.policy_spec`), the engine (which gets the trainer's exact weights), then steps.
 Metrics: one TensorBoard scalar set and one metrics.jsonl line per step (spirl.core.metrics);
 checkpoints every `checkpoint_every` steps and after the last (spirl.core.checkpoint).
 Interrupts: SIGINT and SIGTERM stop the run where it is (logging a step and writing a checkpoint
@@ -32,6 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from torchtitan_compat.config import ModelDir
 
 from ..core import checkpoint as ckpt
 from . import trainer
@@ -54,13 +57,14 @@ from ..core.preflight import (
 )
 from ..core.build import build_policy_and_engine
 from ..core.policy import Policy, resume_into, sync_weights
+from ..core.spec import PolicySpec
 
 log = logging.getLogger("spirl.loops.run")
 
 _NATIVE = "; on a machine without vLLM/CUDA use --engine native --dtype float32"
 
 
-def save_checkpoint(cfg: TrainConfig, policy: Policy, step: int, model_dir: Path,
+def save_checkpoint(cfg: TrainConfig, policy: Policy, spec: PolicySpec, step: int, model_dir: Path,
                     reference: dict | None = None) -> Path | None:
     """Collective when sharded: every rank gathers, rank 0 writes the one-GPU format (so the run
     resumes on any number of GPUs), and a failed write fails every rank."""
@@ -74,7 +78,7 @@ def save_checkpoint(cfg: TrainConfig, policy: Policy, step: int, model_dir: Path
     if getattr(policy, "spec", None) is not None:  # LoRA: the masters are written as a PEFT adapter
         from ..core.lora import adapter_writer
 
-        adapter = adapter_writer(policy, cfg, (reference or {}).get("fingerprint", ""))
+        adapter = adapter_writer(policy, spec, (reference or {}).get("fingerprint", ""))
     path, error = None, None
     if world.is_main:
         try:
@@ -193,7 +197,8 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     model_dir = resolve_model(cfg.model, cfg.checkpoint_dir)
     if world is not None and world.is_main:
         world.barrier()
-    _, model_args = validate_model_dir(model_dir)
+    model = ModelDir(model_dir, *validate_model_dir(model_dir))  # config.json read and checked here, once
+    model_args = model.args
     reference = {"model": cfg.model, "model_dir": str(model_dir), "fingerprint": model_fingerprint(model_dir)}
     lora = None
     if cfg.lora:  # the adapter's spec (rank checked against the layers, --lora-init read) before anything heavy
@@ -215,11 +220,12 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
         single_turn = longest_prompt is not None and not getattr(task, "multi_turn", False)
         check_memory(cfg, model_args, device, longest_prompt + cfg.max_new_tokens if single_turn else limit,
                      world.size if world.sharded else 0, None if lora is None else lora.spec)
-    policy, engine = build_policy_and_engine(model_dir, cfg, device, world, lora)
+    spec = cfg.policy_spec(lora)
+    policy, engine = build_policy_and_engine(model, spec, device, world)
     start = resume_into(policy, cfg.resume, device) if cfg.resume else 0
     if longest_prompt is None:
         engine = LengthCheckedEngine(engine, cfg, limit, source)
-    sync_weights(engine, policy, cfg)  # the engine starts from the trainer's exact weights (matters on resume)
+    sync_weights(engine, policy, spec)  # the engine starts from the trainer's exact weights (matters on resume)
     logger = MetricsLogger(run_dir, {"args": to_dict(cfg), "seed": cfg.seed, "model_dir": str(model_dir),
                                      "device": str(device), "world_size": world.size, "reference": reference},
                            resume_step=start if cfg.resume else None) if world.is_main else _NoLogger()
@@ -229,14 +235,14 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
             logger.log_step(0, evaluate(engine, task, cfg, world), cfg.steps)
         for step in range(start + 1, cfg.steps + 1):
             progress["step"] = step
-            scalars = trainer.run_step(step, cfg, task, engine, policy, device, run_dir)
+            scalars = trainer.run_step(step, cfg, task, engine, policy, spec, device, run_dir)
             if cfg.eval_every and step % cfg.eval_every == 0:
                 scalars.update(evaluate(engine, task, cfg, world))
             with signals.deferred():  # a step's log line and its checkpoint are written whole
                 logger.log_step(step, scalars, cfg.steps)
                 history.append(scalars)
                 if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                    save_checkpoint(cfg, policy, step, model_dir, reference)
+                    save_checkpoint(cfg, policy, spec, step, model_dir, reference)
                 progress["done"] = step
     finally:
         logger.close()

@@ -52,6 +52,7 @@ from ..numerics.parity import (
     sampled_logprobs_and_entropy,
 )
 from ..core.policy import Policy, sync_weights
+from ..core.spec import PolicySpec
 
 log = logging.getLogger("spirl.loops.trainer")
 
@@ -217,8 +218,9 @@ def step_scalars(policy: Policy, samples, rewards: torch.Tensor, report: ParityR
     return {**out, **world.mean_over_ranks(extra)}
 
 
-def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, run_dir: Path) -> dict:
-    """One GRPO step; its scalars, with time/<phase> and time/step (the whole step's wall clock)."""
+def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, spec: PolicySpec, device, run_dir: Path) -> dict:
+    """One GRPO step of `policy` (built from `spec`); its scalars, with time/<phase> and time/step (the
+    whole step's wall clock)."""
     times: dict[str, float] = {}
     start = time.perf_counter()
     dist = sampling_dist(cfg)
@@ -260,7 +262,7 @@ def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, device, 
         for k, v in m.items():
             agg[k] = agg.get(k, 0.0) + v / cfg.updates_per_batch
     with timed(times, "weight_sync"):
-        sync_weights(engine, policy, cfg)
+        sync_weights(engine, policy, spec)
     out.update(agg)
     out["skipped_update"] = 0.0
     times["step"] = time.perf_counter() - start

@@ -100,16 +100,17 @@ def warmstart(model_dir: Path, out: Path, steps: int, batch: int, lr: float, see
     import weights
     import weights_vllm_compat
 
-    from ..core.config import TrainConfig
-    from ..numerics.parity import sampled_logprobs
     from ..core.policy import build_policy
+    from ..core.spec import EngineSpec, PolicySpec
+    from ..numerics.parity import sampled_logprobs
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
     make = example_maker(task, model_dir, correct_share)
-    cfg = TrainConfig(lr=lr, engine="vllm" if device.type == "cuda" else "native",
-                      dtype="bfloat16" if device.type == "cuda" else "float32", activation_checkpointing=0)
-    policy = build_policy(model_dir, cfg, device)
+    on_gpu = device.type == "cuda"
+    spec = PolicySpec(model=str(model_dir), engine=EngineSpec(kind="vllm" if on_gpu else "native"),
+                      dtype="bfloat16" if on_gpu else "float32", lr=lr, activation_checkpointing=False)
+    policy = build_policy(weights.read_model_dir(model_dir), spec, device)
     losses, t0 = [], time.perf_counter()
     warmup = max(1, min(WARMUP_STEPS, steps // 10))
     for step in range(1, steps + 1):

@@ -139,23 +139,25 @@ class Session:
         return self
 
     def _build(self) -> None:
-        from ..core.config import TrainConfig
+        from torchtitan_compat.config import ModelDir
+
         from ..core.build import build_policy_and_engine
-        from ..core.preflight import resolve_device
+        from ..core.preflight import resolve_device, validate_model_dir
+        from ..core.spec import EngineSpec, PolicySpec
 
         self.device = resolve_device("auto" if self.cfg.engine == "vllm" else "cpu")
-        dtype = "bfloat16" if self.cfg.engine == "vllm" else "float32"
-        spec = getattr(self.lora, "spec", None)
-        tc = TrainConfig(model=str(self.model_dir), engine=self.cfg.engine, dtype=dtype, seed=self.seed,
-                         logprobs="raw", gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-                         max_model_len=self.cfg.max_model_len, lora_rank=spec.rank if spec else 0,
-                         kl_coef=0.0, device=str(self.device)).validate()
-        self.train_config = tc
-        self.policy, self.engine = build_policy_and_engine(self.model_dir, tc, self.device, init=self.lora)
+        engine = EngineSpec(kind=self.cfg.engine, logprobs="raw", seed=self.seed,
+                            gpu_memory_utilization=self.cfg.gpu_memory_utilization, max_model_len=self.cfg.max_model_len)
+        spec = PolicySpec(model=str(self.model_dir), engine=engine, lora=self.lora, seed=self.seed,
+                          dtype="bfloat16" if self.cfg.engine == "vllm" else "float32")
+        self.train_config = spec  # the policy's spec, which sync_weights and adapter_writer take
+        model = ModelDir(self.model_dir, *validate_model_dir(self.model_dir))  # config.json read and checked once
+        self.policy, self.engine = build_policy_and_engine(model, spec, self.device)
         if self.cfg.engine == "native":  # plain PyTorch on the CPU is not batch invariant: see NativeEngine
             self.engine.one_per_forward = True
+        lora = getattr(self.lora, "spec", None)
         log.info("Tinker backend ready: %s on %s (%s, %s)", self.base_model, self.device, self.cfg.engine,
-                 f"LoRA rank {spec.rank} on {','.join(spec.targets)}" if spec else "full fine-tuning")
+                 f"LoRA rank {lora.rank} on {','.join(lora.targets)}" if lora else "full fine-tuning")
 
     @property
     def model(self):
