@@ -44,13 +44,16 @@ def main(argv=None) -> int:
     engine = args.engine if args.engine == "plain" else f"ours:{args.cuda_graphs}"
     llm = build_llm(engine, args.model, 0.8, args.prompt_len + args.new_tokens + 16)
     g = torch.Generator().manual_seed(0)
+
+    def fresh(batch: int) -> list:  # new prompts each time: plain vLLM's prefix cache must not serve the prefill
+        return [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (args.prompt_len,), generator=g).tolist())
+                for _ in range(batch)]
     for batch in map(int, args.batches.split(",")):
-        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (args.prompt_len,), generator=g).tolist())
-                   for _ in range(batch)]
         for phase, new in (("prefill", 1), ("rollout", args.new_tokens)):
             params = SamplingParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, logprobs=0,
                                     seed=0)
-            llm.generate(prompts, params, use_tqdm=False)  # warm-up
+            llm.generate(fresh(batch), params, use_tqdm=False)  # warm-up (and any Triton JIT for this shape)
+            prompts = fresh(batch)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

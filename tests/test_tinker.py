@@ -210,7 +210,7 @@ def test_save_state_then_load_state_is_bit_exact(api, tiny_ckpt):
 
 
 def test_a_differing_sampler_logprob_stops_forward_backward(api, tiny_ckpt):
-    from spirl.core.parity import ParityError
+    from spirl.numerics.parity import ParityError
 
     client = api.ServiceClient().create_lora_training_client(str(tiny_ckpt), rank=2).result()
     tok = client.get_tokenizer()

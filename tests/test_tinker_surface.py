@@ -32,7 +32,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 from tinker.lib.public_interfaces import BackcompatSamplingClientFuture, BackcompatTrainingClientFuture  # noqa: E402
 
-from spirl.tinker import clients, rest  # noqa: E402
+from spirl.tinker import clients, process, rest  # noqa: E402
 from spirl.tinker.surface import Refused, public_members, refusal_reason  # noqa: E402
 
 from test_tinker import SCRIPTS, launch, parity_log  # noqa: E402
@@ -84,7 +84,7 @@ def api(tmp_path, monkeypatch, offline):
     monkeypatch.setenv("SPIRL_ENGINE", "native")
     monkeypatch.setenv("SPIRL_TINKER_DIR", str(tmp_path / "tinker"))
     yield clients
-    clients.close_session()
+    process.close()
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
         return 2
     log_to_stdout("%(asctime)s %(name)s %(levelname)s %(message)s")
     install()
-    from .clients import close_session
+    from .process import close as close_session
 
     try:
         if argv[0] == "-m":

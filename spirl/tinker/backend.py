@@ -17,7 +17,7 @@ sequence is remembered with its version; a datum whose tokens came from a sample
 version (found by its provenance spans, or by its whole token sequence) has each sampled token's
 trainer logprob compared with the sampler's, bit for bit, in the same forward that trains on it:
 `parity/tokens_compared:sum` and `parity/tokens_different:sum` in the metrics, and a mismatch raises
-spirl.core.parity.ParityError with the report simple_rl.py writes. Off-policy data is trained as given.
+spirl.numerics.parity.ParityError with the report simple_rl.py writes. Off-policy data is trained as given.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Sampled:
 
 @dataclass
 class _Seq:
-    """A trainable sequence for spirl.core.parity.check_parity: the datum's tokens, its compared positions."""
+    """A trainable sequence for spirl.numerics.parity.check_parity: the datum's tokens, its compared positions."""
 
     ids: list[int]
     loss_mask: list[bool]
@@ -106,7 +106,7 @@ class Session:
     base_model: str
     model_dir: Path
     lora: object | None
-    """spirl.core.lora.LoRAInit of the training policy, None for full fine-tuning."""
+    """spirl.core.spec.LoRAInit of the training policy, None for full fine-tuning."""
     seed: int
     policy: object = None
     engine: object = None
@@ -121,7 +121,8 @@ class Session:
     by_tokens: dict = field(default_factory=dict)
     run_id: str = "run"
     fb_calls: int = 0
-    train_config: object = None
+    policy_spec: object = None
+    """The policy's spirl.core.spec.PolicySpec (sync_weights and adapter_writer take it)."""
     tokenizer: object = None
     trainer_attached: bool = False
     _ids: object = field(default_factory=lambda: itertools.count())
@@ -150,7 +151,7 @@ class Session:
                             gpu_memory_utilization=self.cfg.gpu_memory_utilization, max_model_len=self.cfg.max_model_len)
         spec = PolicySpec(model=str(self.model_dir), engine=engine, lora=self.lora, seed=self.seed,
                           dtype="bfloat16" if self.cfg.engine == "vllm" else "float32")
-        self.train_config = spec  # the policy's spec, which sync_weights and adapter_writer take
+        self.policy_spec = spec
         model = ModelDir(self.model_dir, *validate_model_dir(self.model_dir))  # config.json read and checked once
         self.policy, self.engine = build_policy_and_engine(model, spec, self.device)
         if self.cfg.engine == "native":  # plain PyTorch on the CPU is not batch invariant: see NativeEngine
@@ -222,7 +223,7 @@ class Session:
                     p.copy_(snap[n])
         else:
             raise ValueError(f"the weights of version {version} are gone (no sampler kept them)")
-        sync_weights(self.engine, self.policy, self.train_config)
+        sync_weights(self.engine, self.policy, self.policy_spec)
         self.engine_version = version
 
     def new_version(self) -> None:
@@ -311,7 +312,7 @@ class Session:
     @torch.no_grad()
     def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
         """[None, log p(t1 | t0), ...] of each prompt at the active weights: the trainer's own forward
-        (spirl.core.parity.sampled_logprobs), i.e. forward_backward's bits."""
+        (spirl.numerics.parity.sampled_logprobs), i.e. forward_backward's bits."""
         if not prompts:
             return []
         lps = every_token_logprobs(self.model, prompts, self.device,
@@ -456,7 +457,7 @@ class Session:
         self.policy.push_masters_to_model()
         from ..core.policy import sync_weights
 
-        sync_weights(self.engine, self.policy, self.train_config)
+        sync_weights(self.engine, self.policy, self.policy_spec)
         self.new_version()
         return metrics
 

@@ -24,7 +24,6 @@ import json
 import logging
 import shutil
 import uuid
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -37,47 +36,19 @@ from tinker.lib.public_interfaces.backcompat_training_client_future import Backc
 from tinker.lib.public_interfaces.custom_loss import LossHandle, trace_loss
 
 from ..engines.base import Request
-from . import losses, rest
+from . import losses, process, rest
 from .backend import TRAIN_TARGETS, BackendConfig, Session
-from .surface import forward_future, forward_sync, sdk_surface
+from .surface import done_future, forward_future, forward_sync, sdk_surface
 
 log = logging.getLogger("spirl.tinker")
-
-_SESSION: Session | None = None
-"""The process's backend: one base model, one engine (see backend.py)."""
-
 
 class APIError(ValueError):
     """A call this backend cannot serve; one line saying why (ValueError, as the cookbook expects)."""
 
 
-def done_future(value) -> AwaitableConcurrentFuture:
-    """The SDK's future, already holding `value`."""
-    f = cf.Future()
-    f.set_result(value)
-    return AwaitableConcurrentFuture(f)
-
-
-
 def _training_future(fut: AwaitableConcurrentFuture) -> BackcompatTrainingClientFuture:
     """What the SDK's training-client creators return: a future that is also (deprecated) the client."""
     return BackcompatTrainingClientFuture(fut)
-
-
-def close_session() -> None:
-    """Close the process's backend (the engine first): on `ServiceClient.close`, and on every exit of
-    `python -m spirl.tinker`, errors included."""
-    global _SESSION
-    if _SESSION is not None:
-        session, _SESSION = _SESSION, None
-        session.close()
-
-
-def server_capabilities() -> types.GetServerCapabilitiesResponse:
-    name = _SESSION.base_model if _SESSION else "a local Qwen3 checkpoint directory or Hub id"
-    limit = _SESSION.cfg.max_model_len if _SESSION else BackendConfig.from_env().max_model_len
-    return types.GetServerCapabilitiesResponse(supported_models=[types.SupportedModel(
-        model_name=name, max_context_length=limit, trainable=True, sampleable=True)])
 
 
 def _on_worker(session: Session, fn, *args) -> AwaitableConcurrentFuture:
@@ -101,20 +72,18 @@ def local_path(path: str, root: str | None = None) -> Path:
 
 def _session(base_model: str, lora, seed: int | None) -> Session:
     """The process's session, created by the first client (later ones must use the same base model)."""
-    global _SESSION
     from ..core.preflight import resolve_model
 
     cfg = BackendConfig.from_env()
-    if _SESSION is not None:
-        same = base_model in (_SESSION.base_model, str(_SESSION.model_dir))
-        if not same:
-            raise APIError(f"this process serves base model {_SESSION.base_model!r}; SPIRL's local Tinker backend holds "
+    session = process.current()
+    if session is not None:
+        if base_model not in (session.base_model, str(session.model_dir)):
+            raise APIError(f"this process serves base model {session.base_model!r}; SPIRL's local Tinker backend holds "
                            f"one base model per process, not also {base_model!r}")
-        return _SESSION
+        return session
     model_dir = resolve_model(base_model, str(Path(cfg.root) / "models"))
     rest.sweep_expired(Path(cfg.root))
-    _SESSION = Session(cfg, base_model, model_dir, lora, 0 if seed is None else seed).start()
-    return _SESSION
+    return process.install(Session(cfg, base_model, model_dir, lora, 0 if seed is None else seed).start())
 
 
 def _lora_init(base_model: str, rank: int, targets):
@@ -165,14 +134,14 @@ class ServiceClient(tinker.ServiceClient):
         self.close("success" if exc_type is None else "errored").result()
 
     def close(self, status="success", detail=None):
-        close_session()
+        process.close()
         return done_future(None)
 
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
-        return server_capabilities()
+        return process.server_capabilities()
 
     async def get_server_capabilities_async(self):
-        return server_capabilities()
+        return process.server_capabilities()
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
@@ -243,7 +212,7 @@ class ServiceClient(tinker.ServiceClient):
             session = _session(meta["base_model"], lora or None, meta.get("seed"))
             fut = _on_worker(session, SamplingClient.from_path, session, model_path)
         else:
-            if _SESSION is not None:
+            if process.current() is not None:
                 session = _session(base_model, None, None)  # the same base model, or a one-line refusal
             else:  # no training client yet: the backend is built as Tinker's default LoRA client would need it
                 session = _session(base_model, _lora_init(base_model, 32, _switch_targets()), None)
@@ -377,7 +346,7 @@ class TrainingClient(tinker.TrainingClient):
         if s.lora is not None:
             from ..core.lora import adapter_writer
 
-            adapter = adapter_writer(s.policy, s.train_config, "")
+            adapter = adapter_writer(s.policy, s.policy_spec, "")
         ckpt.write_dir(directory, s.policy.masters, s.policy.optimizer,
                        {"step": s.version, **_session_state(s), "user_metadata": {**self.user_metadata,
                                                                                 **(user_metadata or {})}}, adapter)
@@ -408,7 +377,7 @@ class TrainingClient(tinker.TrainingClient):
                 for n, p in s.policy.masters.items():
                     p.copy_(masters[n])
             s.policy.push_masters_to_model()
-        sync_weights(s.engine, s.policy, s.train_config)
+        sync_weights(s.engine, s.policy, s.policy_spec)
         s.new_version()
         return types.LoadWeightsResponse(path=path, model_id=self.model_id)
 
@@ -426,7 +395,7 @@ class TrainingClient(tinker.TrainingClient):
             if s.lora is not None:
                 from ..core.lora import adapter_writer
 
-                adapter_writer(s.policy, s.train_config, "")(tmp)
+                adapter_writer(s.policy, s.policy_spec, "")(tmp)
             else:
                 from weights_vllm_compat import compat_to_hf
 
@@ -512,17 +481,7 @@ REFUSED_SAMPLING = {
               "TrainingClient.save_weights_and_get_sampling_client",
 }
 
-_LIVE_SAMPLERS: "weakref.WeakValueDictionary[str, SamplingClient]" = weakref.WeakValueDictionary()
-"""sampler_id -> live SamplingClient of this process (RestClient.get_sampler, sampler handles)."""
 _HANDLE_PREFIX = "spirl-sampler:"
-
-
-def live_sampler(sampler_id: str) -> "SamplingClient":
-    s = _LIVE_SAMPLERS.get(sampler_id)
-    if s is None:
-        raise APIError(f"no live sampler {sampler_id!r} in this process (SPIRL's samplers hold weights on this "
-                       "machine's GPU and live in the process that made them)")
-    return s
 
 
 @sdk_surface(tinker.SamplingClient, REFUSED_SAMPLING)
@@ -534,7 +493,7 @@ class SamplingClient(tinker.SamplingClient):
         self._s, self.version, self.model_path = session, version, model_path
         self.sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
         session.pin(self, version)
-        _LIVE_SAMPLERS[self.sampler_id] = self
+        process.register_sampler(self.sampler_id, self)
 
     @classmethod
     def of_base(cls, s: Session) -> "SamplingClient":
@@ -580,7 +539,7 @@ class SamplingClient(tinker.SamplingClient):
         if not handle.startswith(_HANDLE_PREFIX):
             raise APIError(f"{handle[:40]!r}... is not a SPIRL sampler handle (get_sampler_handle of a SPIRL "
                            "SamplingClient in this process)")
-        live = live_sampler(handle.removeprefix(_HANDLE_PREFIX))
+        live = process.live_sampler(handle.removeprefix(_HANDLE_PREFIX))
         return SamplingClient(live._s, live.version, live.model_path)
 
     def on_queue_state_change(self, queue_state, queue_state_reason) -> None:

@@ -29,7 +29,8 @@ from pathlib import Path
 import tinker
 from tinker import types
 
-from .surface import forward_sync, sdk_surface
+from . import process
+from .surface import done_future, forward_sync, sdk_surface
 
 log = logging.getLogger("spirl.tinker")
 
@@ -184,12 +185,6 @@ def _run_ids(root: Path) -> list[str]:
     return [p.name for p in sorted(runs, key=lambda p: (_mtime(p / "run.json"), p.name), reverse=True)]
 
 
-def _done(value):
-    from .clients import done_future
-
-    return done_future(value)
-
-
 def _page(items: list, limit: int, offset: int) -> tuple[list, types.Cursor]:
     if limit < 1 or offset < 0:
         raise StoreError(f"limit={limit}, offset={offset}: limit must be >= 1 and offset >= 0")
@@ -231,31 +226,31 @@ class RestClient(tinker.RestClient):
 
     # training runs
     def get_training_run(self, training_run_id, access_scope="owned"):
-        return _done(_training_run(self._store(), training_run_id))
+        return done_future(_training_run(self._store(), training_run_id))
 
     def get_training_run_by_tinker_path(self, tinker_path, access_scope="owned"):
         root = self._store()
         if not checkpoint_dir(root, tinker_path).is_dir():
             raise StoreError(f"no checkpoint at {tinker_path} ({checkpoint_dir(root, tinker_path)})")
-        return _done(_training_run(root, parse(tinker_path).training_run_id))
+        return done_future(_training_run(root, parse(tinker_path).training_run_id))
 
     def list_training_runs(self, limit=20, offset=0, access_scope="owned", project_id=None):
         root = self._store()
         ids, cursor = _page(_run_ids(root), limit, offset)
-        return _done(types.TrainingRunsResponse(training_runs=[_training_run(root, r) for r in ids], cursor=cursor))
+        return done_future(types.TrainingRunsResponse(training_runs=[_training_run(root, r) for r in ids], cursor=cursor))
 
     # checkpoints
     def list_checkpoints(self, training_run_id):
         root = self._store()
         _run(root, training_run_id)
-        return _done(types.CheckpointsListResponse(checkpoints=_checkpoints(root, training_run_id)))
+        return done_future(types.CheckpointsListResponse(checkpoints=_checkpoints(root, training_run_id)))
 
     def list_user_checkpoints(self, limit=100, offset=0):
         root = self._store()
         every = sorted((c for r in _run_ids(root) for c in _checkpoints(root, r)),
                        key=lambda c: (c.time, c.tinker_path), reverse=True)
         page, cursor = _page(every, limit, offset)
-        return _done(types.CheckpointsListResponse(checkpoints=page, cursor=cursor))
+        return done_future(types.CheckpointsListResponse(checkpoints=page, cursor=cursor))
 
     def delete_checkpoint(self, training_run_id, checkpoint_id):
         return self.delete_checkpoint_from_tinker_path(f"tinker://{training_run_id}/{checkpoint_id}")
@@ -270,11 +265,11 @@ class RestClient(tinker.RestClient):
         ttls = read_json(ttl_file, {})
         if ttls.pop(parse(tinker_path).checkpoint_id, None) is not None:
             write_json(ttl_file, ttls)
-        return _done(None)
+        return done_future(None)
 
     def set_checkpoint_ttl_from_tinker_path(self, tinker_path, ttl_seconds):
         set_ttl(self._store(), tinker_path, ttl_seconds)
-        return _done(None)
+        return done_future(None)
 
     def get_weights_info_by_tinker_path(self, tinker_path):
         root = self._store()
@@ -285,7 +280,7 @@ class RestClient(tinker.RestClient):
         meta = read_json(meta_file)
         lora = meta.get("lora") or {}
         targets = set(lora.get("targets", ()))
-        return _done(types.WeightsInfoResponse(
+        return done_future(types.WeightsInfoResponse(
             base_model=meta["base_model"], is_lora=bool(lora), lora_rank=lora.get("rank"),
             train_unembed="lm_head" in targets if lora else None,
             train_mlp=bool(targets & {"gate_proj", "up_proj", "down_proj"}) if lora else None,
@@ -295,27 +290,23 @@ class RestClient(tinker.RestClient):
     def list_sessions(self, limit=20, offset=0, access_scope="owned"):
         files = sorted((self._store() / "sessions").glob("*.json"), key=lambda p: (_mtime(p), p.name), reverse=True)
         page, _ = _page([p.stem for p in files], limit, offset)
-        return _done(types.ListSessionsResponse(sessions=page))
+        return done_future(types.ListSessionsResponse(sessions=page))
 
     def get_session(self, session_id, access_scope="owned"):
         try:
             rec = read_json(self._store() / "sessions" / f"{session_id}.json")
         except FileNotFoundError:
             raise StoreError(f"no session {session_id!r} under {self._root}") from None
-        return _done(types.GetSessionResponse(training_run_ids=rec["training_run_ids"], sampler_ids=rec["sampler_ids"],
+        return done_future(types.GetSessionResponse(training_run_ids=rec["training_run_ids"], sampler_ids=rec["sampler_ids"],
                                               user_metadata=rec.get("user_metadata") or None))
 
     def get_sampler(self, sampler_id):
-        from .clients import live_sampler
-
-        s = live_sampler(sampler_id)
-        return _done(types.GetSamplerResponse(sampler_id=sampler_id, base_model=s.get_base_model(),
+        s = process.live_sampler(sampler_id)
+        return done_future(types.GetSamplerResponse(sampler_id=sampler_id, base_model=s.get_base_model(),
                                               model_path=s.model_path))
 
     def get_server_capabilities(self):
-        from .clients import server_capabilities
-
-        return _done(server_capabilities())
+        return done_future(process.server_capabilities())
 
     def get_telemetry(self):
         return None

@@ -20,9 +20,18 @@ introspection rather than remembered.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import inspect
 
+from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from typing_extensions import deprecated
+
+
+def done_future(value) -> AwaitableConcurrentFuture:
+    """The SDK's future, already holding `value`."""
+    f = cf.Future()
+    f.set_result(value)
+    return AwaitableConcurrentFuture(f)
 
 
 class Refused(NotImplementedError):
