@@ -1,0 +1,125 @@
+"""TRL's GRPOTrainer on the same checkpoint, task and batch as simple_rl.py: the GRPO step a user would run instead.
+
+    python compare/trl_grpo.py --model DIR [--task synthetic --prompts-per-step 8 --group-size 8
+        --max-new-tokens 1024 --steps 5 --skip 2 --lora-rank 0] [--vllm colocate|none] [--out runs/trl_grpo]
+
+`trl.GRPOTrainer` as its documentation sets it up, on the Qwen3 checkpoint directory that simple_rl.py
+trains: prompts of a spirl task (its chat-template prompt ids, given to TRL as the text they decode to,
+since TRL tokenizes prompts itself), the task's reward on the completion ids TRL passes to reward
+functions, one optimizer step per batch of prompts x group samples (`generation_batch_size` = the batch,
+`num_iterations=1`, no KL term: simple_rl.py's defaults), bf16 on a GPU, vLLM colocated on the same GPU
+(`--vllm colocate`, `vllm_gpu_memory_utilization` as simple_rl's `--gpu-memory-utilization`) or
+`model.generate` (`--vllm none`, the CPU check of this script). `--lora-rank R` trains LoRA (PEFT,
+alpha 32, all linear layers) as `simple_rl.py --lora-rank R` does. Prints each step's wall clock
+(a TrainerCallback), the median after `--skip` warm-up steps, and the peak torch memory, for
+comparison with `simple_rl.py`'s `time/step` on the same arguments. TRL checks no sampler/trainer
+parity: that is the difference the comparison prices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def dataset_rows(task, steps: int, prompts_per_step: int, seed: int) -> list[dict]:
+    """The prompts simple_rl.py draws for steps 1..steps (spirl.loops.trainer.step_seed), as TRL rows."""
+    from spirl.loops.trainer import step_seed
+
+    rows = []
+    for step in range(1, steps + 1):
+        for ids, meta in task.prompts(random.Random(step_seed(seed, step)), prompts_per_step):
+            rows.append({"prompt": task.tokenizer.decode(ids), "meta": json.dumps(meta)})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a Qwen3 checkpoint directory (weights.py --random ... makes one)")
+    p.add_argument("--task", default="synthetic")
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the median")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
+    p.add_argument("--vllm", default="colocate", choices=["colocate", "none"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward (gradient accumulation)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/trl_grpo")
+    a = p.parse_args(argv)
+    batch = a.prompts_per_step * a.group_size
+    if batch % a.micro_batch:
+        raise SystemExit(f"error: --micro-batch {a.micro_batch} must divide prompts x group = {batch}")
+
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from spirl.core.preflight import load_checked_tokenizer
+    from spirl.tasks import get_task
+
+    task = get_task(a.task, load_checked_tokenizer(Path(a.model)))
+    cuda = torch.cuda.is_available()
+
+    def reward(prompts, completions, completion_ids, meta, **_):
+        return [task.reward(list(ids), json.loads(m)) for ids, m in zip(completion_ids, meta, strict=True)]
+    reward.__name__ = f"{a.task}_reward"
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.t0)
+            print(f"trl_grpo: step {state.global_step} {self.times[-1]:.2f} s", flush=True)
+
+    config = GRPOConfig(
+        output_dir=a.out, max_steps=a.steps, learning_rate=a.lr, seed=a.seed, beta=0.0, num_iterations=1,
+        num_generations=a.group_size, generation_batch_size=batch, per_device_train_batch_size=a.micro_batch,
+        gradient_accumulation_steps=batch // a.micro_batch,
+        max_completion_length=a.max_new_tokens, temperature=1.0, lr_scheduler_type="constant", bf16=cuda,
+        gradient_checkpointing=cuda,
+        use_vllm=a.vllm == "colocate", vllm_mode="colocate", vllm_gpu_memory_utilization=a.gpu_memory_utilization,
+        report_to="none", logging_steps=1, save_strategy="no", use_cpu=not cuda, dataloader_num_workers=0)
+    peft_config = None
+    if a.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=a.lora_rank, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
+    rows = dataset_rows(task, a.steps, a.prompts_per_step, a.seed)
+    clock = StepClock()
+    trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
+                          processing_class=task.tokenizer, peft_config=peft_config, callbacks=[clock])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    measured = clock.times[a.skip:] or clock.times
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    print(f"trl_grpo: {len(clock.times)} steps of {a.prompts_per_step} x {a.group_size} samples x {a.max_new_tokens} "
+          f"new tokens ({'LoRA rank %d' % a.lora_rank if a.lora_rank else 'full fine-tuning'}, vLLM {a.vllm}): "
+          f"median {statistics.median(measured):.2f} s a step (steps {len(clock.times) - len(measured) + 1}-"
+          f"{len(clock.times)}), peak torch memory {peak:.1f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
