@@ -178,7 +178,8 @@ def _datums(tok, sampler, n_prompts=2, seed=0):
             full = ids + s.tokens
             out.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={
                 "target_tokens": full[1:], "logprobs": [0.0] * (len(ids) - 1) + s.logprobs,
-                "advantages": [0.0] * (len(ids) - 1) + [1.0 if j else -1.0] * len(s.tokens)}))
+                "advantages": [0.0] * (len(ids) - 1) + [1.0 if j else -1.0] * len(s.tokens),
+                "weights": [0.0] * (len(ids) - 1) + [1.0] * len(s.tokens)}))
     return out
 
 

@@ -35,7 +35,7 @@ from tinker.lib.public_interfaces import BackcompatSamplingClientFuture, Backcom
 from spirl.tinker import clients, process, rest  # noqa: E402
 from spirl.tinker.surface import Refused, public_members, refusal_reason  # noqa: E402
 
-from test_tinker import SCRIPTS, launch, parity_log  # noqa: E402
+from test_tinker import SCRIPTS, _datums, launch, parity_log  # noqa: E402
 
 PAIRS = [(clients.ServiceClient, tinker.ServiceClient), (clients.TrainingClient, tinker.TrainingClient),
          (clients.SamplingClient, tinker.SamplingClient), (rest.RestClient, tinker.RestClient)]
@@ -110,23 +110,6 @@ def recorder(monkeypatch):
     return called
 
 
-def _data(tok, sampler, seed=0):
-    out = []
-    for i in range(2):
-        ids = tok.encode(f"Item {i}, seed {seed}:")
-        res = sampler.sample(prompt=types.ModelInput.from_ints(ids), num_samples=2,
-                             sampling_params=types.SamplingParams(max_tokens=4, seed=seed * 10 + i)).result()
-        for j, s in enumerate(res.sequences):
-            full = ids + s.tokens
-            n = len(full) - 1
-            out.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={
-                "target_tokens": full[1:], "weights": [0.0] * (len(ids) - 1) + [1.0] * len(s.tokens),
-                "logprobs": [0.0] * (len(ids) - 1) + s.logprobs,
-                "advantages": [0.0] * (len(ids) - 1) + [1.0 - 2 * j] * len(s.tokens)}))
-            assert len(out[-1].loss_fn_inputs["target_tokens"].data) == n
-    return out
-
-
 def weighted_nll(logprobs, weights):
     loss = -(logprobs * weights).sum()
     return loss, {"custom/nll:sum": loss, "custom/tokens:mean": weights.sum()}
@@ -147,7 +130,7 @@ def test_every_implemented_member_runs_locally_and_every_refusal_is_one_line(api
     tok = tc.get_tokenizer()
     assert tc.get_info().lora_rank == 2 and tc.get_telemetry() is None
     sc = tc.save_weights_and_get_sampling_client().result()
-    data = _data(tok, sc)
+    data = _datums(tok, sc)
     handle = svc.create_custom_loss(weighted_nll, {"logprobs": 1, "weights": 1}).result()
     base_sc = svc.create_sampling_client(base_model=base).result()
     assert base_sc.get_base_model() == base and base_sc.get_tokenizer() is tok and base_sc.get_telemetry() is None
@@ -308,7 +291,7 @@ def test_custom_loss_handle_equals_forward_backward_custom(api, tiny_ckpt, monke
     tc = api.ServiceClient().create_lora_training_client(str(tiny_ckpt), rank=2).result()
     svc = api.ServiceClient()
     sc = tc.save_weights_and_get_sampling_client().result()
-    data = _data(tc.get_tokenizer(), sc)
+    data = _datums(tc.get_tokenizer(), sc)
     handle = svc.create_custom_loss(weighted_nll, {"logprobs": 1, "weights": 1}).result()
     forwards = []
     model = tc._s.model
@@ -353,7 +336,7 @@ def test_load_state_async_restores_bit_for_bit(api, tiny_ckpt):
     tok = tc.get_tokenizer()
 
     def step(seed):
-        data = _data(tok, tc.save_weights_and_get_sampling_client().result(), seed)
+        data = _datums(tok, tc.save_weights_and_get_sampling_client().result(), seed=seed)
         tc.forward_backward(data, "importance_sampling").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     step(0)

@@ -37,9 +37,9 @@ class TrainConfig:
     """Prompts sampled per step."""
     group_size: int = 8
     """Completions per prompt; advantages are relative to the prompt's group."""
-    lr: float = 1e-5
+    lr: float = PolicySpec.lr
     """AdamW learning rate (on the fp32 master weights)."""
-    weight_decay: float = 0.0
+    weight_decay: float = PolicySpec.weight_decay
     """AdamW weight decay."""
     max_new_tokens: int = 16
     """Longest completion, in tokens."""
@@ -89,12 +89,12 @@ class TrainConfig:
     activation_checkpointing: int = 1
     """1 = keep only each decoder layer's input during the forward and recompute the layer in the
     backward (far less memory, ~1/3 more compute); 0 = keep every activation."""
-    gpu_memory_utilization: float = 0.35
+    gpu_memory_utilization: float = EngineSpec.gpu_memory_utilization
     """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer
     gets the rest."""
     eager: int = 0
     """1 = run vLLM eagerly (no CUDA graphs): slower rollouts, same numbers."""
-    max_model_len: int = 4096
+    max_model_len: int = EngineSpec.max_model_len
     """Longest prompt + completion (all turns of an episode) the engine accepts, in tokens."""
     vllm_sleep: int = 0
     """1 = put vLLM to sleep while the trainer trains (its KV cache freed, its weights moved to host
@@ -126,7 +126,7 @@ class TrainConfig:
     lora_init: str = ""
     """A PEFT LoRA adapter directory to start from (adapter_config.json + adapter_model.safetensors,
     e.g. a checkpoint of an earlier run); its rank, alpha and targets are used."""
-    lora_base: str = "host"
+    lora_base: str = PolicySpec.lora_base
     """LoRA: where the frozen base weights live. `host`: pinned CPU memory, so the GPU holds the
     weights once (the engine's merged copy, which the trainer computes with) and each merge after an
     optimizer step streams the base in; `gpu`: a second bf16 copy on the GPU (faster merges, 2 bytes

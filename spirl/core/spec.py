@@ -5,7 +5,8 @@ The policy's own small spec, not a client's config: each client makes one from i
 (simple_rl.py from its command line, `TrainConfig.policy_spec`; the Tinker API from its backend
 settings; the warm start from its few flags), so none builds another's config to get a policy.
 Plain data, importing nothing at run time (the command line's config imports it before torch is
-needed), so that the config, the policy and LoRA all import it.
+needed), so that the config, the policy and LoRA all import it. Its defaults are the one place for
+these settings' defaults: TrainConfig and the Tinker backend's BackendConfig read theirs from here.
 """
 
 from __future__ import annotations

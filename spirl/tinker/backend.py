@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.spec import EngineSpec, PolicySpec
 from ..engines.base import Request
 from ..numerics.samples import Sample
 from ..numerics.parity import ParityError, check_parity, every_token_logprobs
@@ -60,9 +61,9 @@ class BackendConfig:
     root: str = "tinker_runs"
     """SPIRL_TINKER_DIR: where runs keep their checkpoints (tinker://<run>/weights/<name> is
     <root>/<run>/weights/<name>) and parity reports."""
-    gpu_memory_utilization: float = 0.35
+    gpu_memory_utilization: float = EngineSpec.gpu_memory_utilization
     """SPIRL_GPU_MEMORY_UTILIZATION: vLLM's share of the GPU."""
-    max_model_len: int = 4096
+    max_model_len: int = EngineSpec.max_model_len
     """SPIRL_MAX_MODEL_LEN: longest prompt + completion the engine accepts."""
     max_tokens_per_microbatch: int = 16384
     """SPIRL_MAX_TOKENS_PER_MICROBATCH: tokens per forward/backward pass (gradient accumulation)."""
@@ -104,7 +105,8 @@ class Session:
 
     cfg: BackendConfig
     base_model: str
-    model_dir: Path
+    checkpoint: object
+    """The base model's torchtitan_compat.config.ModelDir: its config read and checked once, by the client."""
     lora: object | None
     """spirl.core.spec.LoRAInit of the training policy, None for full fine-tuning."""
     seed: int
@@ -140,11 +142,8 @@ class Session:
         return self
 
     def _build(self) -> None:
-        from torchtitan_compat.config import ModelDir
-
         from ..core.build import build_policy_and_engine
-        from ..core.preflight import resolve_device, validate_model_dir
-        from ..core.spec import EngineSpec, PolicySpec
+        from ..core.preflight import resolve_device
 
         self.device = resolve_device("auto" if self.cfg.engine == "vllm" else "cpu")
         engine = EngineSpec(kind=self.cfg.engine, logprobs="raw", seed=self.seed,
@@ -152,13 +151,16 @@ class Session:
         spec = PolicySpec(model=str(self.model_dir), engine=engine, lora=self.lora, seed=self.seed,
                           dtype="bfloat16" if self.cfg.engine == "vllm" else "float32")
         self.policy_spec = spec
-        model = ModelDir(self.model_dir, *validate_model_dir(self.model_dir))  # config.json read and checked once
-        self.policy, self.engine = build_policy_and_engine(model, spec, self.device)
+        self.policy, self.engine = build_policy_and_engine(self.checkpoint, spec, self.device)
         if self.cfg.engine == "native":  # plain PyTorch on the CPU is not batch invariant: see NativeEngine
             self.engine.one_per_forward = True
         lora = getattr(self.lora, "spec", None)
         log.info("Tinker backend ready: %s on %s (%s, %s)", self.base_model, self.device, self.cfg.engine,
                  f"LoRA rank {lora.rank} on {','.join(lora.targets)}" if lora else "full fine-tuning")
+
+    @property
+    def model_dir(self) -> Path:
+        return self.checkpoint.path
 
     @property
     def model(self):

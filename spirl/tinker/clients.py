@@ -70,26 +70,39 @@ def local_path(path: str, root: str | None = None) -> Path:
     return Path(root or BackendConfig.from_env().root) / run / kind / name
 
 
-def _session(base_model: str, lora, seed: int | None) -> Session:
-    """The process's session, created by the first client (later ones must use the same base model)."""
-    from ..core.preflight import resolve_model
+def _checkpoint(base_model: str):
+    """The base model's checkpoint (torchtitan_compat.config.ModelDir), read and checked once per
+    process: the session's if one serves `base_model` (a one-line refusal if it serves another), else
+    resolved (a Hub id downloaded, `random:<shape>` written) and checked here, for the session to take."""
+    from torchtitan_compat.config import ModelDir
 
-    cfg = BackendConfig.from_env()
+    from ..core.preflight import resolve_model, validate_model_dir
+
     session = process.current()
     if session is not None:
         if base_model not in (session.base_model, str(session.model_dir)):
             raise APIError(f"this process serves base model {session.base_model!r}; SPIRL's local Tinker backend holds "
                            f"one base model per process, not also {base_model!r}")
+        return session.checkpoint
+    path = resolve_model(base_model, str(Path(BackendConfig.from_env().root) / "models"))
+    return ModelDir(path, *validate_model_dir(path))
+
+
+def _session(base_model: str, checkpoint, lora, seed: int | None) -> Session:
+    """The process's session, created by the first client (later ones must use the same base model:
+    `_checkpoint` refused any other)."""
+    session = process.current()
+    if session is not None:
         return session
-    model_dir = resolve_model(base_model, str(Path(cfg.root) / "models"))
+    cfg = BackendConfig.from_env()
     rest.sweep_expired(Path(cfg.root))
-    return process.install(Session(cfg, base_model, model_dir, lora, 0 if seed is None else seed).start())
+    return process.install(Session(cfg, base_model, checkpoint, lora, 0 if seed is None else seed).start())
 
 
 def _lora_init(base_model: str, rank: int, targets):
-    """The LoRAInit of a LoRA client: rank, Tinker's alpha, `targets` (any order) in model order."""
+    """(the base model's checkpoint, the LoRAInit of a LoRA client on it): rank, Tinker's alpha,
+    `targets` (any order) in model order. The arguments are checked before the model is resolved."""
     from ..core.lora import LoRAInit
-    from ..core.preflight import resolve_model, validate_model_dir
     from torchtitan_compat.lora import DEFAULT_ALPHA, TARGETS, LoRASpec, check_spec
 
     if rank < 1:
@@ -97,10 +110,10 @@ def _lora_init(base_model: str, rank: int, targets):
                        "for full fine-tuning use create_full_training_client")
     if not targets:
         raise APIError("train_mlp, train_attn and train_unembed are all False: nothing to train")
-    _, args = validate_model_dir(resolve_model(base_model, str(Path(BackendConfig.from_env().root) / "models")))
+    checkpoint = _checkpoint(base_model)
     spec = LoRASpec(rank, DEFAULT_ALPHA, tuple(t for t in TARGETS if t in targets))
-    check_spec(spec, args)
-    return LoRAInit(spec)
+    check_spec(spec, checkpoint.args)
+    return checkpoint, LoRAInit(spec)
 
 
 # -- ServiceClient ------------------------------------------------------------------------------------------------
@@ -150,16 +163,16 @@ class ServiceClient(tinker.ServiceClient):
         down), unembed (lm_head: with tied embeddings it gets its own output weight, the input
         embedding stays frozen)."""
         _check_optimizer(optimizer)
-        lora = _lora_init(base_model, rank, _switch_targets(train_attn, train_mlp, train_unembed))
-        return _training_future(done_future(TrainingClient(self._attach(base_model, lora, seed, user_metadata),
-                                                           user_metadata)))
+        checkpoint, lora = _lora_init(base_model, rank, _switch_targets(train_attn, train_mlp, train_unembed))
+        session = self._attach(base_model, checkpoint, lora, seed, user_metadata)
+        return _training_future(done_future(TrainingClient(session, user_metadata)))
 
     create_lora_training_client_async = forward_sync("create_lora_training_client_async")
 
     def create_full_training_client(self, base_model: str, seed: int | None = None, user_metadata=None):
         """SPIRL's addition: full fine-tuning (fp32 masters, AdamW on every weight)."""
-        return _training_future(done_future(TrainingClient(self._attach(base_model, None, seed, user_metadata),
-                                                           user_metadata)))
+        session = self._attach(base_model, _checkpoint(base_model), None, seed, user_metadata)
+        return _training_future(done_future(TrainingClient(session, user_metadata)))
 
     def create_training_client_from_state(self, path: str, base_model=None, user_metadata=None,
                                           weights_access_token=None, optimizer=None):
@@ -178,19 +191,18 @@ class ServiceClient(tinker.ServiceClient):
         state = _read_state(local_path(path))
         if base_model is not None and base_model not in (state["base_model"], state.get("model_dir")):
             raise APIError(f"{path} was trained from {state['base_model']!r}, not {base_model!r}")
-        lora = None
-        if state.get("lora"):
-            lora = _lora_init(state["base_model"], state["lora"]["rank"], state["lora"]["targets"])
+        checkpoint, lora = _checkpoint_and_lora(state)
         metadata = user_metadata or state.get("user_metadata")
-        client = TrainingClient(self._attach(state["base_model"], lora, state.get("seed"), metadata), metadata)
+        client = TrainingClient(self._attach(state["base_model"], checkpoint, lora, state.get("seed"), metadata),
+                                metadata)
 
         def load() -> TrainingClient:
             client._load_state(path, with_optimizer)
             return client
         return client._submit(load)
 
-    def _attach(self, base_model: str, lora, seed, user_metadata):
-        session = _attach(base_model, lora, seed)
+    def _attach(self, base_model: str, checkpoint, lora, seed, user_metadata):
+        session = _attach(base_model, checkpoint, lora, seed)
         meta = {**_session_state(session), "user_metadata": dict(user_metadata or {}), "session_id": self.session_id}
         rest.record_run(Path(session.cfg.root), session.run_id, meta)
         rest.record_session(Path(session.cfg.root), self.session_id, run_id=session.run_id,
@@ -206,16 +218,14 @@ class ServiceClient(tinker.ServiceClient):
             raise ValueError("create_sampling_client needs model_path or base_model")
         if model_path is not None:
             meta = _read_json(local_path(model_path) / "sampler.json", model_path)
-            lora = meta.get("lora")
-            if lora:
-                lora = _lora_init(meta["base_model"], lora["rank"], lora["targets"])
-            session = _session(meta["base_model"], lora or None, meta.get("seed"))
+            checkpoint, lora = _checkpoint_and_lora(meta)
+            session = _session(meta["base_model"], checkpoint, lora, meta.get("seed"))
             fut = _on_worker(session, SamplingClient.from_path, session, model_path)
         else:
-            if process.current() is not None:
-                session = _session(base_model, None, None)  # the same base model, or a one-line refusal
+            if process.current() is not None:  # the same base model as the session's, or a one-line refusal
+                session = _session(base_model, _checkpoint(base_model), None, None)
             else:  # no training client yet: the backend is built as Tinker's default LoRA client would need it
-                session = _session(base_model, _lora_init(base_model, 32, _switch_targets()), None)
+                session = _session(base_model, *_lora_init(base_model, 32, _switch_targets()), None)
             fut = _on_worker(session, SamplingClient.of_base, session)
         fut.future().add_done_callback(lambda f: f.exception() or rest.record_session(
             Path(session.cfg.root), self.session_id, sampler_id=f.result().sampler_id))
@@ -237,14 +247,22 @@ class ServiceClient(tinker.ServiceClient):
         return None
 
 
+def _checkpoint_and_lora(meta: dict):
+    """(checkpoint, LoRAInit or None) of what a saved state or sampler's metadata records."""
+    lora = meta.get("lora")
+    if lora:
+        return _lora_init(meta["base_model"], lora["rank"], lora["targets"])
+    return _checkpoint(meta["base_model"]), None
+
+
 def _switch_targets(train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True) -> list[str]:
     """The LoRA targets create_lora_training_client's switches name (their defaults: all of them)."""
     on = {"train_attn": train_attn, "train_mlp": train_mlp, "train_unembed": train_unembed}
     return [t for k, targets in TRAIN_TARGETS.items() if on[k] for t in targets]
 
 
-def _attach(base_model: str, lora, seed):
-    session = _session(base_model, lora, seed)
+def _attach(base_model: str, checkpoint, lora, seed):
+    session = _session(base_model, checkpoint, lora, seed)
     mine = getattr(session.lora, "spec", None)
     wanted = getattr(lora, "spec", None)
     if mine != wanted:
@@ -350,7 +368,8 @@ class TrainingClient(tinker.TrainingClient):
         ckpt.write_dir(directory, s.policy.masters, s.policy.optimizer,
                        {"step": s.version, **_session_state(s), "user_metadata": {**self.user_metadata,
                                                                                 **(user_metadata or {})}}, adapter)
-        rest.set_ttl(Path(s.cfg.root), path, ttl_seconds) if ttl_seconds is not None else None
+        if ttl_seconds is not None:
+            rest.set_ttl(Path(s.cfg.root), path, ttl_seconds)
         return types.SaveWeightsResponse(path=path)
 
     def load_state(self, path: str, weights_access_token=None):

@@ -74,8 +74,9 @@ class HandleLoss:
 
     The handle's traced graph (the SDK's `trace_loss`: torch and math only) maps (logprobs [N],
     *the loss_fn_inputs it names) to (scalar loss, {custom/<name>:sum|mean: scalar}). The datum
-    losses are summed, as the SDK's client-side `run_loss_handle` does; metrics ending in `:sum` are
-    summed over datums, `:mean` averaged. Being per datum, the loss is micro-batched like the
+    losses are summed, as the SDK's client-side `run_loss_handle` does (not called itself: it reads the
+    inputs as CPU tensors, and the logprobs here are on the trainer's device, per micro-batch); metrics
+    ending in `:sum` are summed over datums, `:mean` averaged. Being per datum, the loss is micro-batched like the
     built-in ones (a callable passed to forward_backward_custom sees every datum at once). The SDK's
     own `check_loss_inputs` validates the data up front (a one-line error at the call).
     """
