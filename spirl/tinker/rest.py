@@ -148,9 +148,9 @@ def _run(root: Path, run_id: str) -> dict:
         raise StoreError(f"no training run {run_id!r} under {root}") from None
 
 
-def _checkpoints(root: Path, run_id: str) -> list[types.Checkpoint]:
+def _checkpoints(root: Path, run_id: str, run_meta: dict) -> list[types.Checkpoint]:
+    """The run's checkpoints, oldest first; `run_meta` is its run.json (the fallback user metadata)."""
     ttls = read_json(root / run_id / "ttl.json", {})
-    run_meta = read_json(root / run_id / "run.json", {})
     out = []
     for segment, kind in KINDS.items():
         for d in sorted((root / run_id / segment).glob("*")):
@@ -170,7 +170,7 @@ def _checkpoints(root: Path, run_id: str) -> list[types.Checkpoint]:
 def _training_run(root: Path, run_id: str) -> types.TrainingRun:
     meta = _run(root, run_id)
     lora = meta.get("lora") or {}
-    ckpts = _checkpoints(root, run_id)
+    ckpts = _checkpoints(root, run_id, meta)
     last = {kind: next((c for c in reversed(ckpts) if c.checkpoint_type == kind), None) for kind in KINDS.values()}
     times = [_mtime(root / run_id / "run.json")] + [c.time for c in ckpts]
     return types.TrainingRun(training_run_id=run_id, base_model=meta["base_model"], model_owner="local",
@@ -242,12 +242,12 @@ class RestClient(tinker.RestClient):
     # checkpoints
     def list_checkpoints(self, training_run_id):
         root = self._store()
-        _run(root, training_run_id)
-        return done_future(types.CheckpointsListResponse(checkpoints=_checkpoints(root, training_run_id)))
+        checkpoints = _checkpoints(root, training_run_id, _run(root, training_run_id))
+        return done_future(types.CheckpointsListResponse(checkpoints=checkpoints))
 
     def list_user_checkpoints(self, limit=100, offset=0):
         root = self._store()
-        every = sorted((c for r in _run_ids(root) for c in _checkpoints(root, r)),
+        every = sorted((c for r in _run_ids(root) for c in _checkpoints(root, r, _run(root, r))),
                        key=lambda c: (c.time, c.tinker_path), reverse=True)
         page, cursor = _page(every, limit, offset)
         return done_future(types.CheckpointsListResponse(checkpoints=page, cursor=cursor))
