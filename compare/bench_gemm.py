@@ -42,8 +42,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="Qwen3-1.7B")
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    p.add_argument("--configs", help="comma list of kernels.gemm.CONFIGS names (default: all)")
+    p.add_argument("--rep-ms", type=int, default=100, help="do_bench's timing window per case")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    configs = args.configs.split(",") if args.configs else list(gemm.CONFIGS)
+    unknown = [c for c in configs if c not in gemm.CONFIGS]
+    if unknown:
+        p.error(f"unknown --configs {unknown}; known: {', '.join(gemm.CONFIGS)}")
+    bench = lambda f: triton.testing.do_bench(f, warmup=max(5, args.rep_ms // 4), rep=args.rep_ms,
+                                              return_mode="median") * 1e3
+    per_config_mismatch = dict.fromkeys(configs, 0)
     torch.manual_seed(0)
     results, mismatches = [], 0
     for name, (n, k) in layer_shapes(args.shape).items():
@@ -52,23 +61,28 @@ def main(argv=None) -> int:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = linear_batch_invariant(x, w)
             row = {"layer": name, "M": m, "N": n, "K": k}
-            for cfg in gemm.CONFIGS:
+            picked = gemm.pick_config(m, n, k)
+            for cfg in dict.fromkeys([*configs, picked]):
                 y = gemm.matmul(x, w, cfg)
                 same = torch.equal(y, ref)
                 mismatches += not same
+                per_config_mismatch[cfg] = per_config_mismatch.get(cfg, 0) + (not same)
                 row[f"{cfg}_equal"] = same
-                row[f"{cfg}_us"] = triton.testing.do_bench(lambda: gemm.matmul(x, w, cfg), return_mode="median") * 1e3
-            row["picked"] = gemm.pick_config(m, n, k)
-            row["vllm_kernel_us"] = triton.testing.do_bench(lambda: linear_batch_invariant(x, w), return_mode="median") * 1e3
-            row["cublas_us"] = triton.testing.do_bench(lambda: torch.mm(x, w.t()), return_mode="median") * 1e3
-            best = min(gemm.CONFIGS, key=lambda c: row[f"{c}_us"])
+                row[f"{cfg}_us"] = bench(lambda: gemm.matmul(x, w, cfg))
+            row["picked"] = picked
+            row["vllm_kernel_us"] = bench(lambda: linear_batch_invariant(x, w))
+            row["cublas_us"] = bench(lambda: torch.mm(x, w.t()))
+            best = min(configs, key=lambda c: row[f"{c}_us"])
             row["best"] = best
             results.append(row)
             print(f"{name:8s} M={m:5d} N={n:6d} K={k:5d}  vllm {row['vllm_kernel_us']:8.1f}us  "
                   f"best {best:10s} {row[best + '_us']:8.1f}us  picked {row['picked']:10s} "
                   f"{row[row['picked'] + '_us']:8.1f}us  cublas {row['cublas_us']:8.1f}us  "
-                  f"all equal: {all(row[f'{c}_equal'] for c in gemm.CONFIGS)}", flush=True)
-    print(f"bitwise mismatches vs vLLM's kernel: {mismatches} of {len(results) * len(gemm.CONFIGS)} (config, shape) cases")
+                  f"{n * k * 2 / row[best + '_us'] / 1e6:5.2f} TB/s  all equal: "
+                  f"{all(row[f'{c}_equal'] for c in configs)}", flush=True)
+            print("   " + "  ".join(f"{c} {row[c + '_us']:.1f}" for c in configs), flush=True)
+    print(f"bitwise mismatches vs vLLM's kernel: {mismatches} (config, shape) cases; per config: "
+          + ", ".join(f"{c} {v}" for c, v in per_config_mismatch.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0 if mismatches == 0 else 1

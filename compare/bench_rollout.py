@@ -54,30 +54,46 @@ def worker(args) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    g = torch.Generator().manual_seed(0)
-    max_batch = max(map(int, args.batches.split(",")))
-    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (args.prompt_len,), generator=g).tolist())
-               for _ in range(max_batch)]
+    def prompts_for(batch: int, prompt_len: int, seed: int):
+        """Fresh random prompts for every case (the same ones for every engine): a prompt seen
+        before would be served from plain vLLM's prefix cache and skip its prefill."""
+        g = torch.Generator().manual_seed(seed)
+        return [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (prompt_len,), generator=g).tolist())
+                for _ in range(batch)]
 
-    def run(batch: int, new: int) -> float:
+    def run(batch: int, prompt_len: int, new: int, seed: int) -> float:
         params = SamplingParams(n=1, max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0,
                                 logprobs=0, seed=1)
+        prompts = prompts_for(batch, prompt_len, seed)
         t = time.perf_counter()
-        outs = llm.generate(prompts[:batch], params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t
         got = sum(len(c.token_ids) for o in outs for c in o.outputs)
         if got != batch * new:
             raise RuntimeError(f"generated {got} tokens, expected {batch * new}")
         return dt
 
-    run(min(8, max_batch), 16)  # warm-up: kernels compiled, graphs touched
-    for new in map(int, args.new_tokens.split(",")):
-        for batch in map(int, args.batches.split(",")):
-            dt = run(batch, new)
-            print(json.dumps({"engine": engine_name, "batch": batch, "prompt_len": args.prompt_len,
-                              "new_tokens": new, "seconds": round(dt, 3),
-                              "tokens_per_s": round(batch * new / dt, 1), "engine_start_s": round(start, 1)}),
-                  flush=True)
+    cases = parse_cases(args)
+    run(8, 64, 16, seed=10**6)  # warm-up: kernels compiled, graphs touched
+    for i, (batch, prompt_len, new) in enumerate(cases):
+        run(batch, prompt_len, min(new, 8), seed=2 * 10**6 + i)  # this prefill shape's kernels compiled
+        dt = run(batch, prompt_len, new, seed=i)
+        print(json.dumps({"engine": args.worker, "batch": batch, "prompt_len": prompt_len,
+                          "new_tokens": new, "seconds": round(dt, 3),
+                          "tokens_per_s": round(batch * new / dt, 1), "engine_start_s": round(start, 1)}),
+              flush=True)
+
+
+def parse_cases(args) -> list[tuple[int, int, int]]:
+    """(batch, prompt tokens, new tokens) per case: --cases "BxPxG,..." or the product of
+    --batches and --new-tokens at --prompt-len."""
+    if args.cases:
+        try:
+            return [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+        except ValueError:
+            raise SystemExit(f"--cases {args.cases!r}: expected BATCHxPROMPTxNEW[,...], e.g. 8x512x256")
+    return [(b, args.prompt_len, n) for n in map(int, args.new_tokens.split(","))
+            for b in map(int, args.batches.split(","))]
 
 
 def run_engine(name: str, args) -> list[dict]:
@@ -85,13 +101,13 @@ def run_engine(name: str, args) -> list[dict]:
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--batches", args.batches,
-           "--new-tokens", args.new_tokens, "--prompt-len", str(args.prompt_len),
+           "--new-tokens", args.new_tokens, "--prompt-len", str(args.prompt_len), "--cases", args.cases or "",
            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len", str(args.max_model_len)]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for r in rows:
-        print(f"   {name:24s} batch {r['batch']:4d}  new {r['new_tokens']:5d}  {r['tokens_per_s']:10.1f} tok/s", flush=True)
+        print(f"   {name:24s} batch {r['batch']:4d}  prompt {r['prompt_len']:5d}  new {r['new_tokens']:5d}  {r['tokens_per_s']:10.1f} tok/s", flush=True)
     if proc.returncode != 0:
         print(f"   {name} FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
     return rows
@@ -119,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--new-tokens", default="256,1024")
     p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--cases", help="BATCHxPROMPTxNEW,... (overrides --batches/--new-tokens/--prompt-len), "
+                                   "e.g. 1x512x256,128x2048x64")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--json")
@@ -129,12 +147,12 @@ def main(argv=None) -> int:
         return 0
     ensure_model(args)
     rows = [r for name in args.engines.split(",") for r in run_engine(name, args)]
-    plain = {(r["batch"], r["new_tokens"]): r["tokens_per_s"] for r in rows if r["engine"] == "plain"}
-    print(f"\n{'engine':24s} {'batch':>5s} {'new':>5s} {'tok/s':>10s} {'plain tok/s':>12s} {'slowdown':>9s} {'start s':>8s}")
+    plain = {(r["batch"], r["prompt_len"], r["new_tokens"]): r["tokens_per_s"] for r in rows if r["engine"] == "plain"}
+    print(f"\n{'engine':24s} {'batch':>5s} {'prompt':>6s} {'new':>5s} {'tok/s':>10s} {'plain tok/s':>12s} {'slowdown':>9s} {'start s':>8s}")
     for r in rows:
-        ref = plain.get((r["batch"], r["new_tokens"]))
+        ref = plain.get((r["batch"], r["prompt_len"], r["new_tokens"]))
         r["slowdown_vs_plain"] = round(ref / r["tokens_per_s"], 3) if ref else None
-        print(f"{r['engine']:24s} {r['batch']:5d} {r['new_tokens']:5d} {r['tokens_per_s']:10.1f} "
+        print(f"{r['engine']:24s} {r['batch']:5d} {r['prompt_len']:6d} {r['new_tokens']:5d} {r['tokens_per_s']:10.1f} "
               f"{ref or float('nan'):12.1f} {r['slowdown_vs_plain'] or float('nan'):9.3f}x {r['engine_start_s']:8.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))

@@ -10,12 +10,15 @@ columns share its tile does not enter its arithmetic. So any tile shape (BLOCK_M
 count or pipeline depth gives the same bits, as long as
 
   * BLOCK_K is 64 and the K loop runs in the same order with the same zero-padded tail, and
-  * the dot lowers to the same instruction family (wgmma: BLOCK_M a multiple of 64, >= 4 warps).
+  * each 64-wide chunk is one `tl.dot` into the fp32 accumulator. On the H100 both instruction
+    families Triton lowers it to (wgmma for BLOCK_M a multiple of 64 with >= 4 warps; mma.sync for
+    16-row tiles) gave vLLM's bits in every case measured (compare/bench_gemm.py, 2026-11-25).
 
 That is what this kernel keeps, and what `tests/gpu/test_gemm.py` proves bit for bit against
 vLLM's kernel over shapes and every config in `CONFIGS`. The config is then chosen by M: small
 tiles at decode sizes (one token per sequence: M = batch), where 128x128 tiles leave most SMs idle
-(16 tiles for a 2048-wide output), large tiles for the trainer's thousands of rows. Both the
+(16 tiles for a 2048-wide output) and a decode step must stream every weight at near bandwidth,
+large tiles for the trainer's thousands of rows. Both the
 engine (through `spirl.numerics.vllm_patches`) and the trainer run this kernel, so their bits agree.
 """
 
@@ -46,12 +49,17 @@ def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
 def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                       stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
+                      GROUP_M: tl.constexpr, MASK_M: tl.constexpr):
+    """MASK_M: rows past M are loaded as zeros instead of re-reading row 0 (vLLM clamps them).
+    Either way they are computed and never stored, and an output row's arithmetic reads only its
+    own row of `a`, so the stored rows' bits are the same; masking saves the re-reads where a
+    64-row tile holds a handful of decode rows."""
     pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)  # clamp, as vLLM does: rows past M
+    row_ok = offs_m < M
+    offs_m = tl.where(row_ok, offs_m, 0).to(tl.int64)  # clamp, as vLLM does: rows past M
     offs_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)  # are computed and never stored
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
@@ -59,7 +67,10 @@ def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(tl.cdiv(K, BLOCK_K)):
         k_left = K - ki * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        if MASK_M:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
@@ -107,20 +118,38 @@ CONFIGS = {
     "tma_m128_n128": (128, 128, 8, 8, 4),
     "tma_m128_n256": (128, 256, 8, 8, 3),
     "tma_m256_n128": (256, 128, 8, 8, 3),
+    # Decode tiles (issue 28): 64 rows (wgmma's smallest), narrow columns so that a 2048-wide output
+    # still spreads over ~128 programs, deep pipelines to keep enough weight bytes in flight.
+    # "dec_": the pointer kernel with rows past M masked to zeros; "tma_": TMA zero-fills them.
+    "dec_m64_n16": (64, 16, 1, 4, 8),
+    "dec_m64_n32": (64, 32, 1, 4, 8),
+    "dec_m64_n64": (64, 64, 1, 4, 6),
+    "dec_m64_n128": (64, 128, 1, 4, 4),
+    "tma_m64_n16": (64, 16, 1, 4, 8),
+    "tma_m64_n32": (64, 32, 1, 4, 8),
+    "tma_m64_n64": (64, 64, 1, 4, 6),
+    # mma.sync tiles (16 rows; Triton lowers BLOCK_M < 64 to mma v2, not wgmma): whether the older
+    # instruction family gives vLLM's bits is what the bitwise test decides.
+    "dec_m16_n32": (16, 32, 1, 2, 8),
+    "dec_m16_n64": (16, 64, 1, 4, 6),
 }
 
 
 def pick_config(m: int, n: int, k: int) -> str:
     """Tile config for an [m, k] x [k, n] product; any choice gives the same bits (module doc).
 
-    From compare/bench_gemm.py on an H100 at Qwen3-1.7B's five linear shapes (median of
-    do_bench, 2026-11-23): decode row counts (1-32) are fastest with 64x128 tiles (up to 1.8x
-    vLLM's config); 33-256 rows with narrow tiles for outputs up to 4096 wide; 513-2047 rows with
-    vLLM's 128x128 tiles, 5 stages deep for outputs up to 2048 wide (o, down: 15-23 % faster);
-    from 2048 rows on (the trainer) 256x128 tiles, 4-8 % faster than vLLM's config on gate_up,
-    down, o and lm_head, except for outputs 2049-4096 wide (qkv), where vLLM's is 4 % faster."""
-    if m <= 32:
-        return "m64_n128"
+    Decode (m <= 64, one row per sequence; issue 28): 64x32 tiles with rows past m masked, 8
+    stages. compare/bench_gemm.py on an H100 (do_bench median, L2 flushed, 2026-11-25): at Qwen3-8B's
+    five linear shapes they run within 0-3 % of cuBLAS (torch.mm) at 1, 8, 32 and 64 rows
+    (7.26-7.39 ms of GEMM per decode step against cuBLAS's 7.20-7.24 and 9.2-11.8 ms for the 64x128
+    tiles picked before), because a 4096-wide output spreads over 128 programs instead of 32.
+    Above that, from the 2026-11-23 run at Qwen3-1.7B's shapes: 65-256 rows with narrow tiles for
+    outputs up to 4096 wide; 513-2047 rows with vLLM's 128x128 tiles, 5 stages deep for outputs up
+    to 2048 wide (o, down: 15-23 % faster); from 2048 rows on (the trainer) 256x128 tiles, 4-8 %
+    faster than vLLM's config on gate_up, down, o and lm_head, except for outputs 2049-4096 wide
+    (qkv), where vLLM's is 4 % faster."""
+    if m <= 64:
+        return "dec_m64_n32"
     if m <= 128:
         return "m64_n32" if n <= 4096 else "m64_n128"
     if m <= 256:
@@ -167,5 +196,5 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
         return c.reshape(*lead, n)
     _bi_matmul_kernel[grid](a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0),
                             c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
-                            GROUP_M=gm, num_warps=warps, num_stages=stages)
+                            GROUP_M=gm, MASK_M=config.startswith("dec_"), num_warps=warps, num_stages=stages)
     return c.reshape(*lead, n)
