@@ -10,8 +10,11 @@ Patch 1 - residual add + RMSNorm (vLLM 0.26.0, `VLLM_BATCH_INVARIANT=1`):
     to 113 of 512 sampled tokens; docs/vllm-0.26-forward-path.md section 3 and
     ../shared/notes/vllm-0.26-on-h100.md).
     What: `residual = bf16(x + residual)` (the exact value the fused op writes), then the Triton
-    batch-invariant RMSNorm of the new residual. The trainer (`torchtitan_compat/model.py`)
-    computes the residual stream exactly this way, so both sides run the same arithmetic.
+    batch-invariant RMSNorm of the new residual, as one kernel (`kernels.add_rms_norm`: the same
+    add, rounding and reduction, bitwise the two-kernel path; one launch and one pass fewer per
+    norm, which counts at decode sizes); other layouts take the two kernels. The trainer
+    (`torchtitan_compat/model.py`) computes the residual stream the same way, so both sides run
+    the same arithmetic.
 
 Patch 2 - the batch-invariant linear layers' GEMM (vLLM 0.26.0, `VLLM_BATCH_INVARIANT=1`):
     Why: vLLM's unquantized linear layers and lm_head call `linear_batch_invariant`, one Triton
@@ -52,9 +55,13 @@ def _patch_residual_rms_norm() -> None:
         rms_norm_batch_invariant as triton_rms_norm,
     )
 
+    from kernels.add_rms_norm import add_rms_norm_, fusable
+
     def rms_norm_separate_residual_add(input, weight, eps=1e-6, residual=None):
         if residual is None:
             return triton_rms_norm(input, weight, eps)
+        if fusable(input, residual, weight):
+            return add_rms_norm_(input, residual, weight, eps), residual  # residual updated in place
         residual.add_(input)  # vLLM's layers expect the residual updated in place
         return triton_rms_norm(residual, weight, eps), residual
 

@@ -74,6 +74,25 @@ def test_rms_norm_with_residual_is_patched_to_add_then_norm(pair):
     assert torch.equal(v_out, ours.backend.rms_norm(new_res, norm.weight, norm.variance_epsilon))
 
 
+@pytest.mark.parametrize("n", [1024, 2048, 2560, 4096, 5120])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_fused_add_rms_norm_equals_add_then_vllms_norm(n, rows):
+    """kernels.add_rms_norm (what the patched engine runs) == torch's bf16 add_, then vLLM's Triton
+    rms_norm_batch_invariant: the new residual and the output, bit for bit."""
+    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+    from kernels.add_rms_norm import add_rms_norm_
+
+    x, res, w = rand(rows, n, scale=3, seed=n + rows), rand(rows, n, seed=2), rand(n, seed=3)
+    ref_res = res.clone()
+    ref_res.add_(x)
+    ref_out = rms_norm_batch_invariant(ref_res, w, 1e-6)
+    fused_res = res.clone()
+    out = add_rms_norm_(x, fused_res, w, 1e-6)
+    assert torch.equal(fused_res, ref_res)
+    assert torch.equal(out, ref_out)
+
+
 def test_qk_norm_per_head(pair):
     vm, ours = pair
     attn = vm.model.layers[0].self_attn

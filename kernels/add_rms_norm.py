@@ -1,0 +1,80 @@
+"""Residual add + RMSNorm in one Triton pass, with the bits of the two kernels it replaces.
+
+Every norm of a Qwen3 layer but the first takes the residual stream. With `vllm_patches` in
+place, vLLM's engine runs it as two kernels per norm: `residual.add_(x)` (a bf16 add: the fp32 sum
+of the two bf16 values, rounded once) and `rms_norm_batch_invariant(residual)` (vLLM's Triton
+`_rms_norm_kernel`). At decode sizes both are launch-bound, and the add is one more pass over the
+stream. This kernel computes, per row:
+
+  * r = bf16(float(x) + float(residual)): the same fp32 add and the same single rounding as
+    torch's bf16 `add_`, so r is bitwise the residual the two-kernel path writes;
+  * the sum of squares of r in vLLM's `_rms_norm_kernel`'s shape - a 1024-wide masked block per
+    iteration, `tl.sum`, launched with the same (default) warps. The squares of bf16 values are
+    exact in fp32, so the reduction tree alone fixes the sum, and identical code over an identically
+    shaped block compiles to the identical tree (as `kernels/qk_norm_rope.py`);
+  * out = bf16((float(r) * inv_rms) * float(w)), vLLM's step 3.
+
+The second loop recomputes r from x and the old residual (each program reads a column before it
+writes it, with the same layout), then stores r and out. `tests/gpu/test_ops_vs_vllm.py` proves
+both outputs equal to the two kernels', bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+VLLM_NORM_BLOCK = 1024
+"""`rms_norm_batch_invariant`'s BLOCK_SIZE: the reduction's block shape, hence its bits."""
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_stride, n_cols, eps,
+                         BLOCK_SIZE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    res_row = res_ptr + row * res_stride
+    dtype = res_ptr.dtype.element_ty
+
+    sum_sq = tl.zeros([1], dtype=tl.float32)
+    for col_offset in range(0, n_cols, BLOCK_SIZE):
+        col_idx = col_offset + tl.arange(0, BLOCK_SIZE)
+        mask = col_idx < n_cols
+        r = (tl.load(x_row + col_idx, mask=mask, other=0.0).to(tl.float32)
+             + tl.load(res_row + col_idx, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        r_f32 = r.to(tl.float32)
+        sq = r_f32 * r_f32
+        sum_sq += tl.sum(tl.where(mask, sq, 0.0))
+    mean_sq = sum_sq / n_cols
+    rms = tl.sqrt(mean_sq + eps)
+    inv_rms = 1.0 / rms
+
+    for col_offset in range(0, n_cols, BLOCK_SIZE):
+        col_idx = col_offset + tl.arange(0, BLOCK_SIZE)
+        mask = col_idx < n_cols
+        r = (tl.load(x_row + col_idx, mask=mask, other=0.0).to(tl.float32)
+             + tl.load(res_row + col_idx, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        w = tl.load(w_ptr + col_idx, mask=mask, other=1.0)
+        out = (r.to(tl.float32) * inv_rms) * w.to(tl.float32)
+        tl.store(res_row + col_idx, r, mask=mask)
+        tl.store(out_ptr + row * out_stride + col_idx, out.to(dtype), mask=mask)
+
+
+def fusable(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """What the kernel covers: 2-D CUDA bf16/fp16 x and residual of one shape, unit last stride,
+    the weight [N] contiguous in the same dtype (Qwen3's norms)."""
+    return (x.is_cuda and x.dim() == 2 and x.shape == residual.shape and x.dtype == residual.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and residual.stride(-1) == 1
+            and weight is not None and weight.dtype == x.dtype and weight.shape == (x.shape[-1],)
+            and weight.is_contiguous())
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual <- bf16(residual + x) in place; returns rms_norm(residual) * weight (a new tensor)."""
+    rows, n = x.shape
+    out = torch.empty_like(residual)
+    if rows:
+        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0),
+                                      n, eps, BLOCK_SIZE=VLLM_NORM_BLOCK)
+    return out
