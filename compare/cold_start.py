@@ -2,6 +2,7 @@
 
     python compare/cold_start.py -- ./run_comparison.sh --model DIR "The capital of France is"
     python compare/cold_start.py --until "step 1 " -- python simple_rl.py --model DIR --max-steps 1
+    python compare/cold_start.py --from-logs runs/cold_start     (the table again, from the kept logs)
 
 Runs the command `--runs` times (default 2) with TRITON_CACHE_DIR, VLLM_CACHE_ROOT and
 TORCHINDUCTOR_CACHE_DIR pointing at one fresh folder: the first run compiles every Triton kernel
@@ -40,13 +41,39 @@ DURATIONS = {  # row -> regex whose group 1 is the seconds vLLM 0.26.0 reports o
     "vLLM: init engine (profile, KV cache, warm-up, graphs)": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)",
     "SPIRL: vLLM engine start (VLLMEngine)": r"vLLM engine ready in ([\d.]+)s",
 }
-MILESTONES = {  # row -> regex; the row is the time since launch of the first line matching it
+MILESTONES = {  # row -> regex; the row is the time since launch of the first line matching it (in start-up order)
     "first vLLM log line (imports, preflight done)": r"^(INFO|WARNING|DEBUG) \d\d-\d\d ",
+    "model class inspected (architecture resolved)": r"Resolved architecture:",
+    "weights loaded": r"Model loading took",
+    "profile run done (KV cache sized)": r"GPU KV cache size:",
+    "CUDA graphs captured": r"Graph capturing finished",
+    "vLLM warm-up done (JIT monitor on)": r"Kernel JIT monitor activated",
     "vLLM engine ready": r"vLLM engine ready in",
     "trainer model loaded": r"trainer kernel backend:",
     "first GRPO step line (simple_rl.py)": r"\bstep 1/\d+ ",
 }
+"""What happens between two milestones (vLLM 0.26.0, V2 model runner): before the first vLLM line,
+Python imports (torch, vLLM, transformers) and SPIRL's preflight; to "model class inspected", vLLM's
+registry inspects the architecture's class in a fresh Python subprocess unless
+VLLM_CACHE_ROOT/modelinfos has it (a cold cost only); to "weights loaded", the safetensors read; to
+"KV cache sized", the profile run (Triton JIT of each kernel at the largest batch, cold); then CUDA
+graph capture; to "warm-up done", `warmup_kernels` runs a real step and the sampler to JIT-compile its
+Triton kernels (cold). The stage table gives these differences per run."""
 JIT_AFTER_WARMUP = r"Triton kernel JIT compilation"
+
+
+def summarize(stamped: list[tuple[float, str]], rc: int, total: float, until: str | None) -> dict:
+    """What the table needs, from a run's (seconds since launch, line) pairs."""
+    out = {"rc": rc, "total": total}
+    for name, rx in DURATIONS.items():
+        hits = [float(m.group(1)) for _, line in stamped if (m := re.search(rx, line))]
+        out[name] = sum(hits) if hits else None
+    for name, rx in MILESTONES.items():
+        out[name] = next((t for t, line in stamped if re.search(rx, line)), None)
+    out["Triton kernels compiled after vLLM's warm-up"] = sum(1 for _, l in stamped if JIT_AFTER_WARMUP in l)
+    if until:
+        out["until"] = next((t for t, line in stamped if re.search(until, line)), None)
+    return out
 
 
 def run_once(cmd: list[str], env: dict, log_path: Path, until: str | None) -> dict:
@@ -61,16 +88,30 @@ def run_once(cmd: list[str], env: dict, log_path: Path, until: str | None) -> di
             log.write(f"{t:9.3f} {line}")
             log.flush()
         rc = proc.wait()
-    total = time.perf_counter() - t0
-    out = {"rc": rc, "total": total}
-    for name, rx in DURATIONS.items():
-        hits = [float(m.group(1)) for _, line in stamped if (m := re.search(rx, line))]
-        out[name] = sum(hits) if hits else None
-    for name, rx in MILESTONES.items():
-        out[name] = next((t for t, line in stamped if re.search(rx, line)), None)
-    out["Triton kernels compiled after vLLM's warm-up"] = sum(1 for _, l in stamped if JIT_AFTER_WARMUP in l)
-    if until:
-        out["until"] = next((t for t, line in stamped if re.search(until, line)), None)
+    return summarize(stamped, rc, time.perf_counter() - t0, until)
+
+
+def read_log(path: Path, until: str | None) -> dict:
+    """A run's table entry from the time-stamped log an earlier run_once wrote. The exit status is not in the
+    log (taken as 0), and the total is the time of the last line, not of the process's exit."""
+    stamped = []
+    for line in path.read_text().splitlines():
+        head, _, rest = line.partition(" ") if not line.startswith(" ") else line.lstrip().partition(" ")
+        try:
+            stamped.append((float(head), rest))
+        except ValueError:
+            raise SystemExit(f"error: {path} is not a cold_start.py log (a line does not start with seconds)") from None
+    return summarize(stamped, 0, stamped[-1][0] if stamped else 0.0, until)
+
+
+def stages(r: dict) -> list[tuple[str, float]]:
+    """(stage, seconds) between consecutive milestones found in run r, from launch to the last one."""
+    out, prev_t = [], 0.0
+    for name in MILESTONES:
+        t = r.get(name)
+        if t is not None:
+            out.append((f"stage: previous -> {name}", t - prev_t))
+            prev_t = t
     return out
 
 
@@ -79,30 +120,42 @@ def table(results: list[dict], until: str | None) -> str:
         "Triton kernels compiled after vLLM's warm-up"]
     heads = ["cold"] + [f"warm {i}" for i in range(1, len(results))]
     label = {"total": "total wall clock (s)", "until": f"time to first line matching {until!r} (s)"}
-    rows = [f"| {'':58s} | " + " | ".join(f"{h:>8s}" for h in heads) + " |",
-            "|" + "-" * 60 + "|" + "|".join("-" * 10 for _ in heads) + "|"]
+    width = max(58, *(len(k) for r in results for k, _ in stages(r)))
+    rows = [f"| {'':{width}s} | " + " | ".join(f"{h:>8s}" for h in heads) + " |",
+            "|" + "-" * (width + 2) + "|" + "|".join("-" * 10 for _ in heads) + "|"]
+
+    def row(name: str, cells: list[str]) -> None:
+        rows.append(f"| {name:{width}s} | " + " | ".join(f"{c:>8s}" for c in cells) + " |")
     for n in names:
         if all(r.get(n) is None for r in results) and n in MILESTONES:
             continue
-        cells = [("-" if r.get(n) is None else f"{r[n]:.0f}" if isinstance(r[n], int) else f"{r[n]:.1f}")
-                 for r in results]
-        rows.append(f"| {label.get(n, n):58s} | " + " | ".join(f"{c:>8s}" for c in cells) + " |")
+        row(label.get(n, n), [("-" if r.get(n) is None else f"{r[n]:.0f}" if isinstance(r[n], int) else f"{r[n]:.1f}")
+                              for r in results])
+    per_run = [dict(stages(r)) for r in results]
+    for stage in dict.fromkeys(k for s in per_run for k in s):  # stages in order of first appearance
+        row(stage, ["-" if stage not in s else f"{s[stage]:.1f}" for s in per_run])
     return "\n".join(rows)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        raise SystemExit("usage: compare/cold_start.py [options] -- COMMAND ...  (the command comes after --)")
-    cut = argv.index("--")
+    cut = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=2, help="the first is cold, the rest warm")
     p.add_argument("--until", help="also time the first output line matching this regex")
     p.add_argument("--out", default="runs/cold_start", help="one log per run, each line time-stamped")
+    p.add_argument("--from-logs", type=Path, help="no run: the table of the run*.log files an earlier run left here")
     args = p.parse_args(argv[:cut])
+    if args.from_logs:
+        logs = sorted(args.from_logs.glob("run*.log"), key=lambda f: int(re.match(r"run(\d+)", f.name).group(1)))
+        if not logs:
+            raise SystemExit(f"error: no run*.log in {args.from_logs}; pass the --out folder of an earlier run")
+        print(table([read_log(f, args.until) for f in logs], args.until))
+        return 0
     cmd = argv[cut + 1:]
     if not cmd:
-        raise SystemExit("error: no command after --")
+        raise SystemExit("usage: compare/cold_start.py [options] -- COMMAND ...  (the command comes after --), "
+                         "or compare/cold_start.py --from-logs DIR")
     if args.runs < 1:
         raise SystemExit("error: --runs must be >= 1")
     out = Path(args.out)
