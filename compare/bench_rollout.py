@@ -13,7 +13,9 @@ Every engine gets the same --gpu-memory-utilization and generates exactly --new-
 prompt (min_tokens = max_tokens, ignore_eos), T = 1.0, logprobs=0 (an RL trainer needs the sampled
 tokens' logprobs either way), one completion per prompt, prompts of --prompt-len random token ids.
 Prints generated tokens/s per (batch, new tokens), the engine start time, and each engine's
-slowdown relative to `plain` (plain tokens/s / engine tokens/s).
+slowdown relative to `plain` (plain tokens/s / engine tokens/s). With `--repeats N` each case is
+timed N times on fresh prompts and the median is used; the spread column shows the run-to-run
+noise (at batch 1 the host's speed shows: docs/rollout-profile.md, third run).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -77,9 +80,10 @@ def worker(args) -> None:
     run(8, 64, 16, seed=10**6)  # warm-up: kernels compiled, graphs touched
     for i, (batch, prompt_len, new) in enumerate(cases):
         run(batch, prompt_len, min(new, 8), seed=2 * 10**6 + i)  # this prefill shape's kernels compiled
-        dt = run(batch, prompt_len, new, seed=i)
+        times = [run(batch, prompt_len, new, seed=i + 1000 * r) for r in range(args.repeats)]  # fresh prompts each
+        dt = statistics.median(times)
         print(json.dumps({"engine": args.worker, "batch": batch, "prompt_len": prompt_len,
-                          "new_tokens": new, "seconds": round(dt, 3),
+                          "new_tokens": new, "seconds": round(dt, 3), "seconds_each": [round(t, 3) for t in times],
                           "tokens_per_s": round(batch * new / dt, 1), "engine_start_s": round(start, 1)}),
               flush=True)
 
@@ -89,9 +93,13 @@ def parse_cases(args) -> list[tuple[int, int, int]]:
     --batches and --new-tokens at --prompt-len."""
     if args.cases:
         try:
-            return [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+            cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
         except ValueError:
-            raise SystemExit(f"--cases {args.cases!r}: expected BATCHxPROMPTxNEW[,...], e.g. 8x512x256")
+            cases = []
+        if not cases or any(len(c) != 3 or min(c) < 1 for c in cases):
+            raise SystemExit(f"error: --cases {args.cases!r}: expected BATCHxPROMPTxNEW[,...] of positive integers, "
+                             "e.g. 8x512x256")
+        return cases
     return [(b, args.prompt_len, n) for n in map(int, args.new_tokens.split(","))
             for b in map(int, args.batches.split(","))]
 
@@ -102,7 +110,8 @@ def run_engine(name: str, args) -> list[dict]:
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--batches", args.batches,
            "--new-tokens", args.new_tokens, "--prompt-len", str(args.prompt_len), "--cases", args.cases or "",
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len", str(args.max_model_len)]
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len", str(args.max_model_len),
+           "--repeats", str(args.repeats)]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -111,6 +120,12 @@ def run_engine(name: str, args) -> list[dict]:
     if proc.returncode != 0:
         print(f"   {name} FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
     return rows
+
+
+def spread(row: dict) -> str:
+    """(slowest - fastest) / median of a case's repeats, as a percentage; "-" for a single timing."""
+    each = row.get("seconds_each") or []
+    return f"{100 * (max(each) - min(each)) / statistics.median(each):.1f}%" if len(each) > 1 else "-"
 
 
 def ensure_model(args) -> None:
@@ -139,21 +154,29 @@ def main(argv=None) -> int:
                                    "e.g. 1x512x256,128x2048x64")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="time each case this many times (fresh prompts each) and report the median; the table's "
+                        "spread column is (slowest - fastest) / median, the run-to-run noise a ratio must beat")
     p.add_argument("--json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"error: --repeats {args.repeats}: must be 1 or more")
     if args.worker:
         worker(args)
         return 0
+    parse_cases(args)  # a bad --cases fails here, before any engine starts
     ensure_model(args)
     rows = [r for name in args.engines.split(",") for r in run_engine(name, args)]
     plain = {(r["batch"], r["prompt_len"], r["new_tokens"]): r["tokens_per_s"] for r in rows if r["engine"] == "plain"}
-    print(f"\n{'engine':24s} {'batch':>5s} {'prompt':>6s} {'new':>5s} {'tok/s':>10s} {'plain tok/s':>12s} {'slowdown':>9s} {'start s':>8s}")
+    print(f"\n{'engine':24s} {'batch':>5s} {'prompt':>6s} {'new':>5s} {'tok/s':>10s} {'plain tok/s':>12s} {'slowdown':>9s} "
+          f"{'start s':>8s} {'spread':>7s}")
     for r in rows:
         ref = plain.get((r["batch"], r["prompt_len"], r["new_tokens"]))
         r["slowdown_vs_plain"] = round(ref / r["tokens_per_s"], 3) if ref else None
         print(f"{r['engine']:24s} {r['batch']:5d} {r['prompt_len']:6d} {r['new_tokens']:5d} {r['tokens_per_s']:10.1f} "
-              f"{ref or float('nan'):12.1f} {r['slowdown_vs_plain'] or float('nan'):9.3f}x {r['engine_start_s']:8.1f}")
+              f"{ref or float('nan'):12.1f} {r['slowdown_vs_plain'] or float('nan'):9.3f}x {r['engine_start_s']:8.1f} "
+              f"{spread(r):>7s}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
     failed = {r["engine"] for r in rows} != set(args.engines.split(","))
