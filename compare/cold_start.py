@@ -96,7 +96,7 @@ def read_log(path: Path, until: str | None) -> dict:
     log (taken as 0), and the total is the time of the last line, not of the process's exit."""
     stamped = []
     for line in path.read_text().splitlines():
-        head, _, rest = line.partition(" ") if not line.startswith(" ") else line.lstrip().partition(" ")
+        head, _, rest = line.lstrip().partition(" ")  # run_once wrote f"{t:9.3f} {line}"
         try:
             stamped.append((float(head), rest))
         except ValueError:
@@ -120,7 +120,8 @@ def table(results: list[dict], until: str | None) -> str:
         "Triton kernels compiled after vLLM's warm-up"]
     heads = ["cold"] + [f"warm {i}" for i in range(1, len(results))]
     label = {"total": "total wall clock (s)", "until": f"time to first line matching {until!r} (s)"}
-    width = max(58, *(len(k) for r in results for k, _ in stages(r)))
+    per_run = [dict(stages(r)) for r in results]
+    width = max([58, *(len(k) for s in per_run for k in s)])
     rows = [f"| {'':{width}s} | " + " | ".join(f"{h:>8s}" for h in heads) + " |",
             "|" + "-" * (width + 2) + "|" + "|".join("-" * 10 for _ in heads) + "|"]
 
@@ -131,7 +132,6 @@ def table(results: list[dict], until: str | None) -> str:
             continue
         row(label.get(n, n), [("-" if r.get(n) is None else f"{r[n]:.0f}" if isinstance(r[n], int) else f"{r[n]:.1f}")
                               for r in results])
-    per_run = [dict(stages(r)) for r in results]
     for stage in dict.fromkeys(k for s in per_run for k in s):  # stages in order of first appearance
         row(stage, ["-" if stage not in s else f"{s[stage]:.1f}" for s in per_run])
     return "\n".join(rows)

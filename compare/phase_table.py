@@ -36,21 +36,22 @@ def read_steps(path: Path) -> dict[int, dict]:
 
 def summarize(steps: dict[int, dict], skip: int) -> dict:
     """Median seconds per phase (steps after the first `skip`), peak GiB, parity totals over every step."""
-    timed = [steps[s] for s in sorted(steps)][skip:]
+    ids = sorted(steps)[skip:]
+    timed = [steps[s] for s in ids]
     if not timed:
         raise SystemExit(f"error: {len(steps)} step(s) logged and --skip {skip}: nothing left to time")
     phases = sorted({k[5:] for row in timed for k in row if k.startswith("time/")})
     med = {p: statistics.median(row.get(f"time/{p}", 0.0) for row in timed) for p in phases}
     peaks = [v for row in steps.values() for k, v in row.items() if k.startswith("memory/peak_gib/")]
-    return {"steps": [s for s in sorted(steps)][skip:], "median": med, "peak_gib": max(peaks, default=float("nan")),
+    return {"steps": ids, "median": med, "peak_gib": max(peaks, default=float("nan")),
             "compared": int(sum(r.get("parity/tokens_compared", 0) for r in steps.values())),
             "different": int(sum(r.get("parity/tokens_different", 0) for r in steps.values()))}
 
 
 def table(names: list[str], sums: list[dict]) -> str:
     phases = [p for p in dict.fromkeys(p for s in sums for p in s["median"]) if p != "step"]
-    w = max(12, *(len(n) for n in names))
-    pw = max(14, *(len(p) + 2 for p in phases))
+    w = max([12, *(len(n) for n in names)])
+    pw = max([14, *(len(p) + 2 for p in phases)])
     lines = [f"{'phase':<{pw}}" + "".join(f"{n:>{w + 9}}" for n in names)]
     for p in [*phases, "step"]:
         cells = []

@@ -79,3 +79,9 @@ def test_failing_command_fails(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_RC", "3")
     assert cold_start.main(["--runs", "1", "--out", str(tmp_path / "logs"), "--", sys.executable, str(script)]) == 1
     assert "exit 3" in capsys.readouterr().out
+
+
+def test_a_command_without_milestones_still_gets_a_table():
+    r = cold_start.summarize([(0.5, "hello"), (1.0, "bye")], 0, 1.2, None)
+    out = cold_start.table([r, r], None)
+    assert "| total wall clock (s)" in out and "stage:" not in out

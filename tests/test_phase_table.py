@@ -47,3 +47,9 @@ def test_bad_input_is_one_line(tmp_path):
     (run / "metrics.jsonl").write_text("not json\n")
     with pytest.raises(SystemExit, match="is not JSON"):
         phase_table.main([str(run)])
+
+
+def test_a_run_that_logs_only_the_step_time_still_gets_a_table(tmp_path, capsys):
+    run = write_run(tmp_path / "c", [{"step": 1, "time/step": 2.0}, {"step": 2, "time/step": 3.0}])
+    assert phase_table.main([str(run)]) == 0
+    assert any(line.startswith("step") and "3.00 s" in line for line in capsys.readouterr().out.splitlines())
