@@ -36,6 +36,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from spirl.numerics.vllm_patches import qk_through_vllms_modules
+
 LAYER_OPS = (
     "input_norm", "qkv_proj", "q_norm", "k_norm", "rotary_q", "rotary_k", "attn", "o_proj",
     "post_attn_norm", "gate_up_proj", "act", "down_proj",
@@ -246,7 +248,8 @@ def capture_vllm(vllm_model: nn.Module, run_fn: Callable[[], object]) -> dict[st
             handles.append(_register(store, layer.get_submodule(path), f"layers.{i}.{op}", kind))
     handles += _register_vllm_rotary(store, layers)
     try:
-        run_fn()
+        with qk_through_vllms_modules(layers):  # hooks on q_norm/k_norm/rotary_emb must fire
+            run_fn()
     finally:
         for h in handles:
             h.remove()

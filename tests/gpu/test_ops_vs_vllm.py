@@ -137,6 +137,31 @@ def test_qk_norm_rope_equals_vllms_attention_path(pair):
         assert torch.equal(oq.reshape(T, -1), vq) and torch.equal(ok.reshape(T, -1), vk)
 
 
+def test_engines_qwen3_attention_runs_the_fused_qk_with_vllms_bits(pair):
+    """vllm_patches patch 3: the engine's own Qwen3Attention layers pass fused_qk's gate (so the patched
+    forward runs kernels.qk_norm_rope), and its q and k equal those of the layer's vLLM modules -
+    q_norm/k_norm on the per-head views of the qkv slices, then rotary_emb in place - bit for bit."""
+    from vllm.model_executor.models.qwen3 import Qwen3Attention
+
+    from spirl.numerics import vllm_patches
+
+    vm, _ = pair
+    assert hasattr(Qwen3Attention.forward, "__wrapped__")  # the patch is installed
+    for layer in (vm.model.layers[0], vm.model.layers[-1]):
+        attn = layer.self_attn
+        d = attn.head_dim
+        pos = torch.randint(0, 40960, (T,), device="cuda")
+        for scale, seed in ((1.0, 21), (0.02, 22), (40.0, 23)):
+            qkv = rand(T, attn.q_size + 2 * attn.kv_size, scale=scale, seed=seed)
+            q, k, _ = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            fused = vllm_patches.fused_qk(attn, pos, q, k)
+            assert fused is not None, "the engine's layer declined the fused q/k path"
+            vq = attn.q_norm(q.view(T, -1, d)).view(T, -1)
+            vk = attn.k_norm(k.view(T, -1, d)).view(T, -1)
+            vq, vk = attn.rotary_emb(pos, vq, vk)
+            assert torch.equal(fused[0], vq) and torch.equal(fused[1], vk)
+
+
 @pytest.mark.parametrize("hq,hk,d", [(16, 8, 128), (32, 8, 128), (40, 8, 128), (14, 2, 64), (8, 8, 256)])
 def test_fused_qk_norm_rope_kernel_equals_vllms_two_kernels(hq, hk, d):
     """kernels.qk_norm_rope against rms_norm_batch_invariant then torch.ops._C.rotary_embedding,
