@@ -130,7 +130,7 @@ def fused_qk(attn, positions, q, k):
     (the caller then runs vLLM's forward). q, k: the [T, heads * head_dim] slices of the qkv output."""
     from kernels.qk_norm_rope import fusable, norm_rope
 
-    if not _qk_gate(attn) or q.dim() != 2:
+    if not _qk_gate(attn) or q.dim() != 2 or positions.dim() != 1:
         return None
     t, d = q.shape[0], attn.head_dim
     qh, kh = q.view(t, -1, d), k.view(t, -1, d)
