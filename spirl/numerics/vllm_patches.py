@@ -38,6 +38,18 @@ Patch 3 - Qwen3's q/k RMSNorm + rotary in the engine (vLLM 0.26.0, `VLLM_BATCH_I
     What: `Qwen3Attention.forward` computes q and k with `kernels.qk_norm_rope` when the layer's modules
     are the ones that kernel reproduces (`fused_qk`: RMSNorm and neox RotaryEmbedding dispatched to
     their CUDA forwards, full rotary, batch-invariant mode); any other layer runs vLLM's own forward.
+
+Patch 4 - Qwen3's model-class inspection in-process (vLLM 0.26.0; start-up only, no numerics):
+    Why: when `VLLM_CACHE_ROOT/modelinfos/` has no entry for the architecture's module (a new
+    machine, or a new vLLM), vLLM's registry inspects the model class in a fresh Python subprocess
+    (`_run_in_subprocess`, so that the API-server process never initializes CUDA before it forks
+    workers). That subprocess imports torch and vLLM again: 16.8 s of a 67.7 s cold
+    `run_comparison.sh` on an H100 host (docs/cold-start.md). SPIRL runs the engine in its own
+    process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, no fork) and imports the Qwen3 module to build the
+    model anyway (patch 3 imports it already).
+    What: for the Qwen3 module only, `_LazyRegisteredModel.inspect_model_cls` runs its inspection
+    function in this process (vLLM's own function; its cache file is written as before); every
+    other architecture keeps the subprocess.
 """
 
 from __future__ import annotations
@@ -58,9 +70,10 @@ def apply() -> None:
     _patch_residual_rms_norm()
     _patch_linear_gemm()
     _patch_qwen3_qk_norm_rope()
+    _patch_inprocess_model_inspection()
     _applied = True
     log.info("vLLM patches applied: residual add + batch-invariant Triton RMSNorm; row-count-tuned GEMM; "
-             "Qwen3 q/k norm + rotary in one pass")
+             "Qwen3 q/k norm + rotary in one pass; Qwen3 model class inspected in-process")
 
 
 def _patch_residual_rms_norm() -> None:
@@ -178,3 +191,26 @@ def _patch_qwen3_qk_norm_rope() -> None:
 
     forward.__wrapped__ = vllms_forward  # the original, for tests and for anyone undoing the patch
     Qwen3Attention.forward = forward
+
+
+INSPECTED_IN_PROCESS = ("vllm.model_executor.models.qwen3",)
+"""Modules whose model classes patch 4 inspects in this process: the ones SPIRL imports anyway."""
+
+
+def _patch_inprocess_model_inspection() -> None:
+    from vllm.model_executor.models import registry
+
+    vllms_inspect = registry._LazyRegisteredModel.inspect_model_cls
+
+    def inspect_model_cls(self):
+        if self.module_name not in INSPECTED_IN_PROCESS:
+            return vllms_inspect(self)
+        in_subprocess = registry._run_in_subprocess
+        registry._run_in_subprocess = lambda fn: fn()
+        try:
+            return vllms_inspect(self)  # cache lookup, inspection, cache write: all vLLM's code
+        finally:
+            registry._run_in_subprocess = in_subprocess
+
+    inspect_model_cls.__wrapped__ = vllms_inspect
+    registry._LazyRegisteredModel.inspect_model_cls = inspect_model_cls
