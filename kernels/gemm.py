@@ -24,6 +24,8 @@ engine (through `spirl.numerics.vllm_patches`) and the trainer run this kernel, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -98,6 +100,33 @@ def _bi_matmul_tma_kernel(a_desc, b_desc, c_desc, M, N, K,
     c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(tl.bfloat16))
 
 
+@triton.jit
+def _bi_matmul_persistent_kernel(a_desc, b_desc, c_desc, M, N, K,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    """`_bi_matmul_tma_kernel` as a persistent kernel: one program per SM walks the tiles
+    NUM_SMS apart (in `_tile_of`'s grouped order), and `flatten=True` lets Triton software-pipeline
+    across tile boundaries, so the next tile's TMA loads overlap this tile's last dots and its
+    store. Each tile still runs the same K loop in the same order, one `tl.dot` per 64-wide chunk
+    with TMA's zero fill past K and past M, so every element gets the same bits. The epilogue's
+    tile index is counted separately (`tile_c`), as Triton's persistent-matmul tutorial does, so
+    that the pipelined loop does not keep the prologue's index alive into the store."""
+    start = tl.program_id(0)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tile_c = start - NUM_SMS
+    for tile in tl.range(start, num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+            b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        tile_c += NUM_SMS
+        pid_m, pid_n = _tile_of(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(tl.bfloat16))
+
+
 # (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages); BLOCK_K is always 64.
 CONFIGS = {
     "vllm": (128, 128, 8, 8, 3),      # vLLM 0.26's own bf16 config: the fastest from ~1k rows up
@@ -128,6 +157,15 @@ CONFIGS = {
     "tma_m64_n16": (64, 16, 1, 4, 8),
     "tma_m64_n32": (64, 32, 1, 4, 8),
     "tma_m64_n64": (64, 64, 1, 4, 6),
+    # Persistent TMA kernel (`_bi_matmul_persistent_kernel`, issue 28): one program per SM. A standalone
+    # probe on an H100 (2026-11-26, 8192^3, 16384x24576x4096, 4096x4096x12288) gave 680-686 TFLOP/s for
+    # 128x256 tiles, 8 warps, 3 stages, against cuBLAS's 679-708 and 538-574 for the pointer kernel.
+    # Warp-specialized variants (tl.range(warp_specialize=True)) were slower, and one (128x128, 5
+    # stages) did not reproduce the pointer kernel's bits, so none is used.
+    "pers_m128_n256": (128, 256, 8, 8, 3),
+    "pers_m128_n128": (128, 128, 8, 8, 4),
+    "pers_m256_n128": (256, 128, 8, 8, 3),
+    "pers_m64_n128": (64, 128, 8, 4, 4),
     # mma.sync tiles (16 rows; Triton lowers BLOCK_M < 64 to mma v2, not wgmma), not picked: they gave
     # vLLM's bits in every bench_gemm case on the H100 (2026-11-25); kept so the bitwise test covers them.
     "dec_m16_n32": (16, 32, 1, 2, 8),
@@ -138,27 +176,43 @@ CONFIGS = {
 def pick_config(m: int, n: int, k: int) -> str:
     """Tile config for an [m, k] x [k, n] product; any choice gives the same bits (module doc).
 
-    Decode (m <= 64, one row per sequence; issue 28): 64x32 tiles with rows past m masked, 8
-    stages. compare/bench_gemm.py on an H100 (do_bench median, L2 flushed, 2026-11-25): at Qwen3-8B's
-    five linear shapes they run within 0-3 % of cuBLAS (torch.mm) at 1, 8, 32 and 64 rows
-    (7.26-7.39 ms of GEMM per decode step against cuBLAS's 7.20-7.24 and 9.2-11.8 ms for the 64x128
-    tiles picked before), because a 4096-wide output spreads over 128 programs instead of 32.
-    Above that, from the 2026-11-23 run at Qwen3-1.7B's shapes: 65-256 rows with narrow tiles for
-    outputs up to 4096 wide; 513-2047 rows with vLLM's 128x128 tiles, 5 stages deep for outputs up
-    to 2048 wide (o, down: 15-23 % faster); from 2048 rows on (the trainer) 256x128 tiles, 4-8 %
-    faster than vLLM's config on gate_up, down, o and lm_head, except for outputs 2049-4096 wide
-    (qkv), where vLLM's is 4 % faster."""
+    Chosen from compare/bench_gemm.py on an H100 (do_bench median, L2 flushed) at Qwen3-1.7B's and
+    Qwen3-8B's linear shapes; every config was bitwise vLLM's kernel in those runs.
+
+    * Decode (m <= 64, one row per sequence; 2026-11-25): 64x32 tiles with rows past m masked, 8
+      stages, within 0-3 % of cuBLAS at Qwen3-8B's shapes, because a 4096-wide output spreads over
+      128 programs instead of 32.
+    * 65-512 rows (2026-11-23/26): narrow tiles for outputs up to 4096 wide; 128x128 tiles, 5
+      stages, for wider ones at up to 256 rows (8B qkv 37.8 us and gate_up 102.8 us against 41.6
+      and 111.1 with 4 stages); vocabulary-wide outputs (lm_head) from 129 rows on take the
+      persistent 128x256 kernel (8B lm_head at 256 rows: 557 us against 672).
+    * 1024 rows and up (long prefills, the trainer; 2026-11-26): the persistent TMA kernel with
+      128x256 tiles, within -4..+6 % of cuBLAS from 2048 rows on (8B: qkv 607 us at 8192 rows
+      against cuBLAS's 635 and the 256x128 pointer tiles' 739; gate_up 2,364 against 2,342 and
+      3,103), except outputs 4097-8192 wide below 2048 rows (8B qkv at 1024 rows), where 128x256
+      tiles make 1.5 waves over 132 SMs and 128x128 tiles are 10 % faster. 513-1023 rows keep the
+      2026-11-23 choice (vLLM's 128x128 tiles, 5 stages for outputs up to 2048 wide)."""
     if m <= 64:
         return "dec_m64_n32"
+    if m > 128 and n > 65536:
+        return "pers_m128_n256"
     if m <= 128:
         return "m64_n32" if n <= 4096 else "m64_n128"
     if m <= 256:
-        return "m64_n64" if n <= 4096 else "m128_n128"
+        return "m64_n64" if n <= 4096 else "m128_n128_s5"
     if m <= 512:
         return "m128_n128"
-    if m < 2048:
+    if m < 1024:
         return "m128_n128_s5" if n <= 2048 else "vllm"
-    return "vllm" if 2048 < n <= 4096 else "m256_n128"
+    if m < 2048 and 4096 < n <= 8192:
+        return "pers_m128_n128"
+    return "pers_m128_n256"
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """The persistent kernel's program count: one per SM of the device."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
@@ -185,6 +239,17 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
     config = config or pick_config(m, n, k)
     bm, bn, gm, warps, stages = CONFIGS[config]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    if config.startswith("pers_") and _tma_ok(a, w, c):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        sms = _num_sms(x.device)
+        grid = (min(sms, grid[0]),)
+        _bi_matmul_persistent_kernel[grid](TensorDescriptor.from_tensor(a, [bm, BLOCK_K]),
+                                           TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
+                                           TensorDescriptor.from_tensor(c, [bm, bn]), m, n, k,
+                                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=gm,
+                                           NUM_SMS=sms, num_warps=warps, num_stages=stages)
+        return c.reshape(*lead, n)
     if config.startswith("tma_") and _tma_ok(a, w, c):
         from triton.tools.tensor_descriptor import TensorDescriptor
 

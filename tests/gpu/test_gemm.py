@@ -14,8 +14,9 @@ import torch
 
 from kernels.gemm import CONFIGS, matmul
 
-# Qwen3-1.7B: qkv, o, gate_up, down projections (N, K); lm_head is checked at decode-sized rows
-SHAPES = [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144)]
+# Qwen3-1.7B: qkv, o, gate_up, down projections (N, K), and one odd shape; lm_head is checked separately
+SHAPES = [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144),
+          (1000, 1000)]  # N and K not multiples of any tile: masked and TMA zero-filled tails
 ROWS = [1, 7, 33, 100, 256, 511, 1000, 4096]
 
 
