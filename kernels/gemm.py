@@ -154,6 +154,11 @@ CONFIGS = {
     "dec_m64_n32": (64, 32, 1, 4, 8),
     "dec_m64_n64": (64, 64, 1, 4, 6),
     "dec_m64_n128": (64, 128, 1, 4, 4),
+    # candidates for bandwidth-bound outputs at most 2048 wide (Qwen3-1.7B's o and down at batch 1-8,
+    # where 32-wide tiles leave half the SMs idle): deeper pipelines, 16-row mma.sync tiles
+    "dec_m64_n16_s12": (64, 16, 1, 4, 12),
+    "dec_m64_n32_s12": (64, 32, 1, 4, 12),
+    "dec_m16_n16": (16, 16, 1, 2, 12),
     "tma_m64_n16": (64, 16, 1, 4, 8),
     "tma_m64_n32": (64, 32, 1, 4, 8),
     "tma_m64_n64": (64, 64, 1, 4, 6),
@@ -179,9 +184,13 @@ def pick_config(m: int, n: int, k: int) -> str:
     Chosen from compare/bench_gemm.py on an H100 (do_bench median, L2 flushed) at Qwen3-1.7B's and
     Qwen3-8B's linear shapes; every config was bitwise vLLM's kernel in those runs.
 
-    * Decode (m <= 64, one row per sequence; 2026-11-25): 64x32 tiles with rows past m masked, 8
-      stages, within 0-3 % of cuBLAS at Qwen3-8B's shapes, because a 4096-wide output spreads over
-      128 programs instead of 32.
+    * Decode (m <= 64, one row per sequence; 2026-11-25/26): 64-row tiles with rows past m masked,
+      narrow enough that the output spreads over at least 128 programs (one per SM or more): 32
+      wide, 8 stages, within 0-3 % of cuBLAS at Qwen3-8B's shapes; outputs at most 4096 wide get
+      exactly 128 programs (16 wide up to 2048, else 32) and 12 stages to keep enough weight bytes
+      in flight per SM (at 1 and 8 rows: 1.7B down 20.3-21.4 us against 23.7-23.8 with 32-wide
+      tiles and cuBLAS's 19.5-19.7; 8B o 21.2-22.1 against 22.8-23.0 and cuBLAS's 22.9-23.1). 16-wide
+      tiles with 12 stages are 30-70 % slower on wide outputs (gate_up, lm_head), hence the split.
     * 65-512 rows (2026-11-23/26): narrow tiles for outputs up to 4096 wide; 128x128 tiles, 5
       stages, for wider ones at up to 256 rows (8B qkv 37.8 us and gate_up 102.8 us against 41.6
       and 111.1 with 4 stages); vocabulary-wide outputs (lm_head) from 129 rows on take the
@@ -193,7 +202,9 @@ def pick_config(m: int, n: int, k: int) -> str:
       tiles make 1.5 waves over 132 SMs and 128x128 tiles are 10 % faster. 513-1023 rows keep the
       2026-11-23 choice (vLLM's 128x128 tiles, 5 stages for outputs up to 2048 wide)."""
     if m <= 64:
-        return "dec_m64_n32"
+        if n <= 2048:
+            return "dec_m64_n16_s12"
+        return "dec_m64_n32_s12" if n <= 4096 else "dec_m64_n32"
     if m > 128 and n > 65536:
         return "pers_m128_n256"
     if m <= 128:
