@@ -129,14 +129,14 @@ def _bi_matmul_persistent_kernel(a_desc, b_desc, c_desc, M, N, K,
 
 # (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages); BLOCK_K is always 64.
 CONFIGS = {
-    "vllm": (128, 128, 8, 8, 3),      # vLLM 0.26's own bf16 config: the fastest from ~1k rows up
+    "vllm": (128, 128, 8, 8, 3),      # vLLM 0.26's own bf16 config (picked at 513-1023 rows, outputs > 2048 wide)
     "m64_n32": (64, 32, 1, 4, 6),
     "m64_n64": (64, 64, 1, 4, 5),
     "m64_n128": (64, 128, 8, 4, 4),
     "m128_n128": (128, 128, 8, 8, 4),
     "m128_n256": (128, 256, 8, 8, 3),  # not picked; kept so the bitwise test covers wide tiles
     "m128_n128_s5": (128, 128, 8, 8, 5),
-    "m256_n128": (256, 128, 8, 8, 3),
+    "m256_n128": (256, 128, 8, 8, 3),  # picked from 2048 rows until the persistent kernel (2026-11-26)
     # not picked (slower everywhere measured); kept so the bitwise test covers them
     "m128_n256_s4": (128, 256, 8, 8, 4),
     "m128_n64": (128, 64, 8, 4, 4),
@@ -154,8 +154,9 @@ CONFIGS = {
     "dec_m64_n32": (64, 32, 1, 4, 8),
     "dec_m64_n64": (64, 64, 1, 4, 6),
     "dec_m64_n128": (64, 128, 1, 4, 4),
-    # candidates for bandwidth-bound outputs at most 2048 wide (Qwen3-1.7B's o and down at batch 1-8,
-    # where 32-wide tiles leave half the SMs idle): deeper pipelines, 16-row mma.sync tiles
+    # decode tiles with deeper pipelines, picked for outputs at most 4096 wide (`pick_config`), where
+    # 8-stage 32-wide tiles left half the SMs idle (2048-wide) or starved them of bytes in flight;
+    # dec_m16_n16 (mma.sync) is not picked: fastest only on single shapes
     "dec_m64_n16_s12": (64, 16, 1, 4, 12),
     "dec_m64_n32_s12": (64, 32, 1, 4, 12),
     "dec_m16_n16": (16, 16, 1, 2, 12),
