@@ -162,17 +162,20 @@ def test_engines_qwen3_attention_runs_the_fused_qk_with_vllms_bits(pair):
             assert torch.equal(fused[0], vq) and torch.equal(fused[1], vk)
 
 
+@pytest.mark.parametrize("rows", [None, 1, 2, 16, 64])
 @pytest.mark.parametrize("hq,hk,d", [(16, 8, 128), (32, 8, 128), (40, 8, 128), (14, 2, 64), (8, 8, 256)])
-def test_fused_qk_norm_rope_kernel_equals_vllms_two_kernels(hq, hk, d):
+def test_fused_qk_norm_rope_kernel_equals_vllms_two_kernels(hq, hk, d, rows):
     """kernels.qk_norm_rope against rms_norm_batch_invariant then torch.ops._C.rotary_embedding,
-    over head counts and sizes, 3000 tokens (~100k rows), random norm weights, long positions."""
+    over head counts and sizes, 3001 tokens (~100k rows, most counts leave a partial last block), random
+    norm weights, long positions; both kernels (one row per program, and 2-64 rows per program)
+    and the default choice."""
     import vllm._custom_ops  # noqa: F401
     from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
 
     from kernels.qk_norm_rope import fusable, norm_rope
     from torchtitan_compat.vllm_ops import VLLMBackend
 
-    t, eps = 3000, 1e-6
+    t, eps = 3001, 1e-6
     cache = VLLMBackend(require_batch_invariant=False).rope_cache(d, 40960, 1e6, torch.bfloat16, "cuda")
     pos = torch.randint(0, 40960, (t,), device="cuda")
     qkv = rand(t, (hq + 2 * hk) * d, scale=3, seed=11)
@@ -182,8 +185,10 @@ def test_fused_qk_norm_rope_kernel_equals_vllms_two_kernels(hq, hk, d):
     assert fusable(q, wq, cache) and fusable(k, wk, cache)
     vq, vk = rms_norm_batch_invariant(q, wq, eps), rms_norm_batch_invariant(k, wk, eps)
     torch.ops._C.rotary_embedding(pos, vq.view(t, -1), vk.view(t, -1), d, cache, True)
-    assert torch.equal(norm_rope(q, wq, eps, pos, cache), vq)
-    assert torch.equal(norm_rope(k, wk, eps, pos, cache), vk)
+    assert torch.equal(norm_rope(q, wq, eps, pos, cache, rows), vq)
+    assert torch.equal(norm_rope(k, wk, eps, pos, cache, rows), vk)
+    few = slice(0, 3)  # a decode-sized call: the default runs one row per program
+    assert torch.equal(norm_rope(q[few], wq, eps, pos[few], cache, rows), vq[few])
 
 
 def test_attention_equals_vllm_paged_prefill_and_decode(pair):
