@@ -85,6 +85,44 @@ def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
 
 
 @triton.jit
+def _bi_matmul_swap_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+                           stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr):
+    """`_bi_matmul_kernel` with the operands swapped, for decode (a handful of rows): each program
+    computes the [BLOCK_N, BLOCK_M] tile of C^T = W X^T. The MMA's row operand is then BLOCK_N real
+    weight rows instead of BLOCK_M mostly-masked activation rows, so a 16-row mma.sync tile streams
+    16 weight rows per program with no shared memory spent on zeros, and a 2048-wide output still
+    spreads over 128 programs. Each element is the same K loop (64-wide chunks in order, one
+    `tl.dot` each, zero-padded tail) over the same products x[m, k] * w[n, k]; whether the tensor
+    core sums a chunk's products into an element the same way with the operands' roles exchanged is
+    what `tests/gpu/test_gemm.py` checks against vLLM's kernel, bit for bit, per config."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m < M
+    offs_m = tl.where(row_ok, offs_m, 0).to(tl.int64)
+    offs_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk    # [BLOCK_N, BLOCK_K]
+    xt_ptrs = a_ptr + offs_k[:, None] * stride_ak + offs_m[None, :] * stride_am   # [BLOCK_K, BLOCK_M]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        k_left = K - ki * BLOCK_K
+        w = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        xt = tl.load(xt_ptrs, mask=row_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        acc = tl.dot(w, xt, acc)
+        w_ptrs += BLOCK_K * stride_bk
+        xt_ptrs += BLOCK_K * stride_ak
+
+    offs_cm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_cn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    c_ptrs = c_ptr + offs_cm[None, :] * stride_cm + offs_cn[:, None] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_cm[None, :] < M) & (offs_cn[:, None] < N))
+
+
+@triton.jit
 def _bi_matmul_tma_kernel(a_desc, b_desc, c_desc, M, N, K,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr):
@@ -160,6 +198,13 @@ CONFIGS = {
     "dec_m64_n16_s12": (64, 16, 1, 4, 12),
     "dec_m64_n32_s12": (64, 32, 1, 4, 12),
     "dec_m16_n16": (16, 16, 1, 2, 12),
+    # swapped operands (`_bi_matmul_swap_kernel`), not picked until measured: BLOCK_M is the activation
+    # rows (the MMA's column side, 16 at least for tl.dot), BLOCK_N the weight rows per program
+    "swp_m16_n16": (16, 16, 1, 1, 12),
+    "swp_m16_n16_w2": (16, 16, 1, 2, 12),
+    "swp_m16_n32": (16, 32, 1, 2, 10),
+    "swp_m16_n64": (16, 64, 1, 4, 8),
+    "swp_m16_n16_s16": (16, 16, 1, 1, 16),
     "tma_m64_n16": (64, 16, 1, 4, 8),
     "tma_m64_n32": (64, 32, 1, 4, 8),
     "tma_m64_n64": (64, 64, 1, 4, 6),
@@ -262,6 +307,11 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
             _bi_matmul_persistent_kernel[(min(sms, grid[0]),)](*descs, m, n, k, NUM_SMS=sms, **tiles)
         else:
             _bi_matmul_tma_kernel[grid](*descs, m, n, k, **tiles)
+        return c.reshape(*lead, n)
+    if config.startswith("swp_"):
+        _bi_matmul_swap_kernel[grid](a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0),
+                                     c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
+                                     GROUP_M=gm, num_warps=warps, num_stages=stages)
         return c.reshape(*lead, n)
     _bi_matmul_kernel[grid](a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0),
                             c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
