@@ -94,9 +94,11 @@ def _bi_matmul_swap_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
     weight rows instead of BLOCK_M mostly-masked activation rows, so a 16-row mma.sync tile streams
     16 weight rows per program with no shared memory spent on zeros, and a 2048-wide output still
     spreads over 128 programs. Each element is the same K loop (64-wide chunks in order, one
-    `tl.dot` each, zero-padded tail) over the same products x[m, k] * w[n, k]; whether the tensor
-    core sums a chunk's products into an element the same way with the operands' roles exchanged is
-    what `tests/gpu/test_gemm.py` checks against vLLM's kernel, bit for bit, per config."""
+    `tl.dot` each, zero-padded tail) over the same products x[m, k] * w[n, k]. The tensor core sums
+    a chunk's products into an element the same way with the operands' roles exchanged: on an H100
+    every `swp_` config (mma.sync at 16 weight rows, wgmma at 64) was bitwise vLLM's kernel over
+    `tests/gpu/test_gemm.py`'s shapes and Qwen3-1.7B's and 8B's linear layers at 1, 8 and 64 rows
+    (2026-11-26); the test keeps checking it per config."""
     pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -198,7 +200,7 @@ CONFIGS = {
     "dec_m64_n16_s12": (64, 16, 1, 4, 12),
     "dec_m64_n32_s12": (64, 32, 1, 4, 12),
     "dec_m16_n16": (16, 16, 1, 2, 12),
-    # swapped operands (`_bi_matmul_swap_kernel`), not picked until measured: BLOCK_M is the activation
+    # swapped operands (`_bi_matmul_swap_kernel`, decode of wide outputs): BLOCK_M is the activation
     # rows (the MMA's column side, 16 at least for tl.dot), BLOCK_N the weight rows per program
     "swp_m16_n16": (16, 16, 1, 1, 12),
     "swp_m16_n16_w2": (16, 16, 1, 2, 12),
@@ -237,6 +239,12 @@ def pick_config(m: int, n: int, k: int) -> str:
       in flight per SM (at 1 and 8 rows: 1.7B down 20.3-21.4 us against 23.7-23.8 with 32-wide
       tiles and cuBLAS's 19.5-19.7; 8B o 21.2-22.1 against 22.8-23.0 and cuBLAS's 22.9-23.1). 16-wide
       tiles with 12 stages are 30-70 % slower on wide outputs (gate_up, lm_head), hence the split.
+      At most 16 rows and outputs wider than 4096 (2026-11-26): the swapped-operand kernel, whose
+      16 activation rows are the MMA's narrow side, 32 weight rows per program up to 16,384 wide
+      (1.7B gate_up 28.2-29.1 us at 1-8 rows against 31.7-31.9 and cuBLAS's 28.1-29.3), 16 weight
+      rows and 16 stages above (lm_head: 1.7B 213.6-218.5 against 219.6-224.2, 8B 416.2-422.7
+      against 422.7-428.6 and cuBLAS's 445.9-449.0; 8B gate_up 82.1-83.0 against 83.0-83.7).
+      Outputs up to 4096 wide gained nothing from it (within +-0.7 us).
     * 65-512 rows (2026-11-23/26): narrow tiles for outputs up to 4096 wide; 128x128 tiles, 5
       stages, for wider ones at up to 256 rows (8B qkv 37.8 us and gate_up 102.8 us against 41.6
       and 111.1 with 4 stages); vocabulary-wide outputs (lm_head) from 129 rows on take the
@@ -247,6 +255,8 @@ def pick_config(m: int, n: int, k: int) -> str:
       3,103), except outputs 4097-8192 wide below 2048 rows (8B qkv at 1024 rows), where 128x256
       tiles make 1.5 waves over 132 SMs and 128x128 tiles are 10 % faster. 513-1023 rows keep the
       2026-11-23 choice (vLLM's 128x128 tiles, 5 stages for outputs up to 2048 wide)."""
+    if m <= 16 and n > 4096:
+        return "swp_m16_n32" if n <= 16384 else "swp_m16_n16_s16"
     if m <= 64:
         if n <= 2048:
             return "dec_m64_n16_s12"

@@ -5,11 +5,12 @@ output; each is copied contiguous and normalized by `rms_norm_batch_invariant` (
 `_rms_norm_kernel`, one program per head row), then `torch.ops._C.rotary_embedding` rotates them
 in place. The trainer ran the same ops, plus copies so the in-place rotary never mutates autograd
 inputs: 7 kernels per layer, 12 % of the forward's GPU time at 8 x 1024 tokens of Qwen3-1.7B
-(torch.profiler, H100). This kernel reads q or k straight from the qkv output and writes the
-normalized, rotated heads contiguous, once:
+(torch.profiler, H100). This kernel reads q and k straight from the qkv output and writes the
+normalized, rotated heads contiguous, once, in one launch for both (`norm_rope_qk`):
 
   * Sum of squares: the code of vLLM's `_rms_norm_kernel`, unchanged - a 1024-wide masked block,
-    `tl.sum`, launched with the same (default) warps. The squares of bf16 values are exact in
+    `tl.sum`, launched with the same (default) warps (`_one_row`; long inputs run blocks of rows
+    with the same per-row tree, `_row_block`). The squares of bf16 values are exact in
     fp32, so the reduction tree is the only thing that fixes the sum's bits, and identical code
     over an identically shaped block compiles to the identical tree.
   * Normalization, elementwise as vLLM's second loop: (x * inv_rms) * w in fp32, rounded to the
@@ -32,9 +33,9 @@ VLLM_NORM_BLOCK = 1024
 
 
 @triton.jit
-def _norm_rope_kernel(input_ptr, weight_ptr, pos_ptr, cache_ptr, output_ptr, stride_t, stride_h,
-                      n_heads, n_cols, eps, cache_stride, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr):
-    row_idx = tl.program_id(0).to(tl.int64)  # one (token, head) row, as vLLM's norm runs them
+def _one_row(row_idx, input_ptr, weight_ptr, pos_ptr, cache_ptr, output_ptr, stride_t, stride_h, n_heads, n_cols,
+             eps, cache_stride, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr):
+    """One (token, head) row, as vLLM's norm runs them (one program per row)."""
     t = row_idx // n_heads
     row_start_ptr = input_ptr + t * stride_t + (row_idx % n_heads) * stride_h
 
@@ -67,32 +68,32 @@ def _norm_rope_kernel(input_ptr, weight_ptr, pos_ptr, cache_ptr, output_ptr, str
 
 
 @triton.jit
-def _norm_rope_rows_kernel(input_ptr, weight_ptr, pos_ptr, cache_ptr, output_ptr, stride_t, stride_h, n_rows,
-                           n_heads, n_cols, eps, cache_stride, ROWS: tl.constexpr, D: tl.constexpr,
-                           HALF: tl.constexpr):
-    """`_norm_rope_kernel` over ROWS (token, head) rows per program, for long prefills and the
-    trainer, where one 128-element row per program leaves most of the bandwidth unused (the 8B
-    prefill profile: 423 ms of 8,072; docs/rollout-profile.md, fourth run).
+def _row_block(block_idx, input_ptr, weight_ptr, pos_ptr, cache_ptr, output_ptr, stride_t, stride_h, n_rows,
+               n_heads, n_cols, eps, cache_stride, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """`_one_row` over ROWS (token, head) rows at once, for long prefills and the trainer, where one
+    128-element row per program leaves most of the bandwidth unused (the 8B prefill profile: 423 ms
+    of 8,072; docs/rollout-profile.md, fourth run).
 
     Same bits, because the sum of squares reduces each row with the same tree as vLLM's kernel.
-    On sm_90 (PTX compared, Triton 3.6) vLLM's 1024-wide block gives each thread 8 consecutive
-    elements (16-byte loads), which it sums in order (a multiply, then 7 fused multiply-adds of
-    exact bf16 squares), then combines lanes by shuffles at xor distance 16, 8, 4, 2, 1 and the 4
-    warps' partials. Only the first D/8 lanes of warp 0 hold a head's D values; every other term
-    is an exact +0.0. Here a [ROWS, D] block gives each thread 8 consecutive elements of one row
-    and D/8 lanes per row, so each row sums its 8-element runs in the same order and combines them
-    at xor distance D/16, ..., 1: the same additions of the same values, without the additions of
-    zero. That holds for 16-byte aligned rows (every stride a multiple of 16 elements and an
-    aligned base: `fusable` checks it), the case in which vLLM's kernel gets that layout too. The
-    normalization, rounding and rotation are `_norm_rope_kernel`'s elementwise code per row.
-    tests/gpu/test_ops_vs_vllm.py proves both kernels equal to vLLM's ops with `torch.equal`."""
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    On sm_90 (PTX compared, Triton 3.6) vLLM's 1024-wide block gives each of its 4 warps' threads 8
+    consecutive elements (16-byte loads), which it sums in order (a multiply, then 7 fused
+    multiply-adds of exact bf16 squares), then combines lanes by shuffles at xor distance 16, 8, 4,
+    2, 1 and the 4 warps' partials. Only the first D/8 lanes of warp 0 hold a head's D values;
+    every other term is an exact +0.0. Here a [ROWS, D] block with ROWS * D >= 1024 gives each
+    thread 8 consecutive elements of one row and D/8 lanes of one warp per row, so each row sums
+    its 8-element runs in the same order and combines them at xor distance D/16, ..., 1: the same
+    additions of the same values, without the additions of zero. A smaller block spreads a row
+    over several warps, another tree: on an H100, ROWS 2 at D 64-256 gave other bits
+    (`rows_per_program` refuses it). That holds for 16-byte aligned rows (every stride a multiple
+    of 16 elements and an aligned base: `fusable` checks it), the case in which vLLM's kernel gets
+    that layout too. The normalization, rounding and rotation are `_one_row`'s elementwise code."""
+    r = block_idx * ROWS + tl.arange(0, ROWS).to(tl.int64)
     ok = r < n_rows
     r = tl.where(ok, r, 0)  # rows past the end recompute row 0 and are never stored
     t = r // n_heads
     row_start = input_ptr + t * stride_t + (r % n_heads) * stride_h
 
-    cols = tl.arange(0, D)
+    cols = tl.arange(0, 2 * HALF)
     vals_f32 = tl.load(row_start[:, None] + cols[None, :]).to(tl.float32)
     sum_sq = tl.zeros([ROWS], dtype=tl.float32) + tl.sum(vals_f32 * vals_f32, axis=1)
     mean_sq = sum_sq / n_cols
@@ -113,12 +114,61 @@ def _norm_rope_rows_kernel(input_ptr, weight_ptr, pos_ptr, cache_ptr, output_ptr
     tl.store(out + HALF, (x2 * c + x1 * s).to(dtype), mask=ok[:, None])
 
 
-ROWS_PER_PROGRAM = 16
-"""Rows of `_norm_rope_rows_kernel`'s block (4 warps: 2-8 rows per warp at head_dim 64-256)."""
+@triton.jit
+def _rows(idx, input_ptr, weight_ptr, pos_ptr, cache_ptr, output_ptr, stride_t, stride_h, n_rows, n_heads,
+          n_cols, eps, cache_stride, ROWS: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    if ROWS == 1:
+        _one_row(idx, input_ptr, weight_ptr, pos_ptr, cache_ptr, output_ptr, stride_t, stride_h, n_heads, n_cols,
+                 eps, cache_stride, BLOCK_SIZE, HALF)
+    else:
+        _row_block(idx, input_ptr, weight_ptr, pos_ptr, cache_ptr, output_ptr, stride_t, stride_h, n_rows,
+                   n_heads, n_cols, eps, cache_stride, ROWS, HALF)
+
+
+@triton.jit
+def _norm_rope_kernel(a_ptr, wa_ptr, oa_ptr, a_stride_t, a_stride_h, a_heads, a_programs,
+                      b_ptr, wb_ptr, ob_ptr, b_stride_t, b_stride_h, b_heads,
+                      pos_ptr, cache_ptr, n_tokens, n_cols, eps, cache_stride,
+                      ROWS: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Two head tensors of the same tokens (q and k) in one launch: the first `a_programs` programs
+    take a's rows, the rest b's (b may have none). Each row is computed as `_rows` computes it."""
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < a_programs:
+        _rows(pid, a_ptr, wa_ptr, pos_ptr, cache_ptr, oa_ptr, a_stride_t, a_stride_h, n_tokens * a_heads, a_heads,
+              n_cols, eps, cache_stride, ROWS, HALF, BLOCK_SIZE)
+    else:
+        _rows(pid - a_programs, b_ptr, wb_ptr, pos_ptr, cache_ptr, ob_ptr, b_stride_t, b_stride_h,
+              n_tokens * b_heads, b_heads, n_cols, eps, cache_stride, ROWS, HALF, BLOCK_SIZE)
+
 
 MIN_ROWS_FOR_BLOCKS = 4096
-"""From this many (token, head) rows on, `norm_rope` runs the multi-row kernel (about 100 tokens of
-Qwen3); decode steps keep one row per program, which spreads a few dozen rows over more SMs."""
+"""From this many (token, head) rows on (q and k together), the default is a block of rows per
+program (about 170 tokens of Qwen3-1.7B); decode steps keep one row per program, which spreads a
+few dozen rows over more SMs. Either gives the same bits."""
+
+BLOCK_HEAD_DIMS = (64, 128, 256)
+"""Head sizes whose multi-row layout is proven on an H100 (tests/gpu/test_ops_vs_vllm.py); other
+sizes run one row per program."""
+
+
+def default_rows(n_rows: int, head_dim: int) -> int:
+    """Rows per program: one below MIN_ROWS_FOR_BLOCKS rows or for other head sizes, else a block
+    of vLLM's norm width (8 rows at head_dim 128: the fastest of 4-32 on an H100, 126 vs 582 us for
+    Qwen3-8B's q and k at 16,384 tokens)."""
+    if n_rows < MIN_ROWS_FOR_BLOCKS or head_dim not in BLOCK_HEAD_DIMS:
+        return 1
+    return VLLM_NORM_BLOCK // head_dim
+
+
+def _check_rows(rows: int, head_dim: int) -> None:
+    if rows == 1:
+        return
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"norm_rope: rows_per_program must be 1 or a power of two, got {rows}")
+    if head_dim not in BLOCK_HEAD_DIMS or rows * head_dim < VLLM_NORM_BLOCK:
+        raise ValueError(f"norm_rope: {rows} rows per program at head_dim {head_dim} would reduce each row in "
+                         f"another order than vLLM's norm; use 1, or at least {VLLM_NORM_BLOCK} elements per "
+                         f"block at head_dim {'/'.join(map(str, BLOCK_HEAD_DIMS))}")
 
 
 def fusable(x: torch.Tensor, weight: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
@@ -137,23 +187,38 @@ def fusable(x: torch.Tensor, weight: torch.Tensor, cos_sin_cache: torch.Tensor) 
             and x.data_ptr() % 16 == 0)
 
 
+def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 rows_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotary(rms_norm(q) * q_weight), rotary(rms_norm(k) * k_weight)) of heads q [T, Hq, D] and
+    k [T, Hk, D] (any token/head strides, e.g. slices of the qkv output) at positions int64 [T], in
+    one launch; returns new contiguous tensors. `rows_per_program`: 1, or a power of two with at
+    least 1024 elements per block (see `_row_block`); by default chosen by the row count (same bits)."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    qo = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    ko = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
+    _launch(q, q_weight, qo, k, k_weight, ko, eps, positions, cos_sin_cache, rows_per_program)
+    return qo, ko
+
+
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
               cos_sin_cache: torch.Tensor, rows_per_program: int | None = None) -> torch.Tensor:
-    """rotary(rms_norm(x) * weight) of heads x [T, H, D] (any token/head strides, e.g. a slice of
-    the qkv output) at positions int64 [T]; returns a new contiguous [T, H, D].
-    `rows_per_program`: 1 (one row per program) or a power of two (the multi-row kernel); by
-    default chosen by the row count. Either gives the same bits."""
-    t, h, d = x.shape
-    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
-    rows = rows_per_program if rows_per_program is not None else (
-        ROWS_PER_PROGRAM if t * h >= MIN_ROWS_FOR_BLOCKS else 1)
-    if rows < 1 or rows & (rows - 1):
-        raise ValueError(f"norm_rope: rows_per_program must be 1 or a power of two, got {rows}")
-    if t * h and rows > 1:
-        _norm_rope_rows_kernel[(triton.cdiv(t * h, rows),)](
-            x, weight, positions, cos_sin_cache, out, x.stride(0), x.stride(1), t * h, h, d, eps,
-            cos_sin_cache.stride(0), ROWS=rows, D=d, HALF=d // 2)
-    elif t * h:
-        _norm_rope_kernel[(t * h,)](x, weight, positions, cos_sin_cache, out, x.stride(0), x.stride(1), h, d,
-                                    eps, cos_sin_cache.stride(0), BLOCK_SIZE=VLLM_NORM_BLOCK, HALF=d // 2)
+    """`norm_rope_qk` of one head tensor x [T, H, D]; returns a new contiguous [T, H, D]."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, weight, out, x[:, :0], weight, out, eps, positions, cos_sin_cache, rows_per_program)
     return out
+
+
+def _launch(a, wa, oa, b, wb, ob, eps, positions, cache, rows_per_program):
+    t, ha, d = a.shape
+    hb = b.shape[1]
+    rows = default_rows(t * (ha + hb), d) if rows_per_program is None else rows_per_program
+    _check_rows(rows, d)
+    a_programs = triton.cdiv(t * ha, rows)
+    grid = a_programs + triton.cdiv(t * hb, rows)
+    if grid:
+        _norm_rope_kernel[(grid,)](a, wa, oa, a.stride(0), a.stride(1), ha, a_programs,
+                                   b, wb, ob, b.stride(0), b.stride(1), hb,
+                                   positions, cache, t, d, eps, cache.stride(0),
+                                   ROWS=rows, HALF=d // 2, BLOCK_SIZE=VLLM_NORM_BLOCK)

@@ -49,10 +49,10 @@ class VLLMBackend:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
 
         from kernels.gemm import matmul
-        from kernels.qk_norm_rope import fusable, norm_rope
+        from kernels.qk_norm_rope import fusable, norm_rope_qk
 
         self._linear = matmul
-        self._qk_fusable, self._norm_rope = fusable, norm_rope
+        self._qk_fusable, self._norm_rope_qk = fusable, norm_rope_qk
         self._rms_norm = rms_norm_batch_invariant
         self._token_logprobs = compute_token_logprobs
         self._flash_attn = flash_attn_varlen_func
@@ -86,10 +86,9 @@ class VLLMBackend:
         return q, k
 
     def qk_norm_rope(self, positions, q, k, q_weight, k_weight, eps: float, cos_sin_cache):
-        """The two ops above in one Triton pass per tensor, reading q and k in place (no copies)."""
+        """The two ops above in one Triton launch for q and k, reading them in place (no copies)."""
         if self._qk_fusable(q, q_weight, cos_sin_cache) and self._qk_fusable(k, k_weight, cos_sin_cache):
-            return (self._norm_rope(q, q_weight, eps, positions, cos_sin_cache),
-                    self._norm_rope(k, k_weight, eps, positions, cos_sin_cache))
+            return self._norm_rope_qk(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
         return norm_then_rotary(self, positions, q, k, q_weight, k_weight, eps, cos_sin_cache)
 
     def attention(self, q, k, v, cu_seqlens, max_seqlen: int, scale: float):

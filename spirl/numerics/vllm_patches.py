@@ -123,6 +123,7 @@ def _reproducible_qk_modules(attn) -> bool:
 
     norms_ok = all(runs(n, RMSNorm, RMSNorm.forward_cuda) and n.variance_size_override is None and n.pass_weight
                    for n in (attn.q_norm, attn.k_norm))
+    norms_ok = norms_ok and attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon  # one launch, one eps
     rope = attn.rotary_emb
     rope_ok = (runs(rope, RotaryEmbedding, RotaryEmbedding.forward_cuda) and not rope.use_flashinfer
                and rope.is_neox_style and rope.rotary_dim == rope.head_size == attn.head_dim)
@@ -141,7 +142,7 @@ def fused_qk(attn, positions, q, k):
     """(q, k) of `Qwen3Attention` - per-head RMSNorm then rotary - by `kernels.qk_norm_rope`, each a new
     contiguous [T, heads * head_dim] tensor; None where the kernel does not reproduce the layer's modules
     (the caller then runs vLLM's forward). q, k: the [T, heads * head_dim] slices of the qkv output."""
-    from kernels.qk_norm_rope import fusable, norm_rope
+    from kernels.qk_norm_rope import fusable, norm_rope_qk
 
     if not _qk_gate(attn) or q.dim() != 2 or positions.dim() != 1:
         return None
@@ -150,8 +151,9 @@ def fused_qk(attn, positions, q, k):
     cache = attn.rotary_emb._match_cos_sin_cache_dtype(q)  # what the rotary module itself passes its kernel
     if not (fusable(qh, attn.q_norm.weight, cache) and fusable(kh, attn.k_norm.weight, cache)):
         return None
-    return (norm_rope(qh, attn.q_norm.weight, attn.q_norm.variance_epsilon, positions, cache).view(t, -1),
-            norm_rope(kh, attn.k_norm.weight, attn.k_norm.variance_epsilon, positions, cache).view(t, -1))
+    qo, ko = norm_rope_qk(qh, kh, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon, positions,
+                          cache)
+    return qo.view(t, -1), ko.view(t, -1)
 
 
 @contextlib.contextmanager

@@ -162,19 +162,20 @@ def test_engines_qwen3_attention_runs_the_fused_qk_with_vllms_bits(pair):
             assert torch.equal(fused[0], vq) and torch.equal(fused[1], vk)
 
 
-@pytest.mark.parametrize("rows", [None, 1, 2, 16, 64])
+@pytest.mark.parametrize("rows", [None, 1, "vllm_block", 16, 64])
 @pytest.mark.parametrize("hq,hk,d", [(16, 8, 128), (32, 8, 128), (40, 8, 128), (14, 2, 64), (8, 8, 256)])
 def test_fused_qk_norm_rope_kernel_equals_vllms_two_kernels(hq, hk, d, rows):
     """kernels.qk_norm_rope against rms_norm_batch_invariant then torch.ops._C.rotary_embedding,
     over head counts and sizes, 3001 tokens (~100k rows, most counts leave a partial last block), random
-    norm weights, long positions; both kernels (one row per program, and 2-64 rows per program)
-    and the default choice."""
+    norm weights, long positions; one row per program, blocks of 1024 elements (vLLM's norm width) up
+    to 64 rows, and the default choice; q alone, and q and k in one launch."""
     import vllm._custom_ops  # noqa: F401
     from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
 
-    from kernels.qk_norm_rope import fusable, norm_rope
+    from kernels.qk_norm_rope import VLLM_NORM_BLOCK, fusable, norm_rope, norm_rope_qk
     from torchtitan_compat.vllm_ops import VLLMBackend
 
+    rows = VLLM_NORM_BLOCK // d if rows == "vllm_block" else rows
     t, eps = 3001, 1e-6
     cache = VLLMBackend(require_batch_invariant=False).rope_cache(d, 40960, 1e6, torch.bfloat16, "cuda")
     pos = torch.randint(0, 40960, (t,), device="cuda")
@@ -186,9 +187,11 @@ def test_fused_qk_norm_rope_kernel_equals_vllms_two_kernels(hq, hk, d, rows):
     vq, vk = rms_norm_batch_invariant(q, wq, eps), rms_norm_batch_invariant(k, wk, eps)
     torch.ops._C.rotary_embedding(pos, vq.view(t, -1), vk.view(t, -1), d, cache, True)
     assert torch.equal(norm_rope(q, wq, eps, pos, cache, rows), vq)
-    assert torch.equal(norm_rope(k, wk, eps, pos, cache, rows), vk)
+    oq, ok = norm_rope_qk(q, k, wq, wk, eps, pos, cache, rows)
+    assert torch.equal(oq, vq) and torch.equal(ok, vk)
     few = slice(0, 3)  # a decode-sized call: the default runs one row per program
-    assert torch.equal(norm_rope(q[few], wq, eps, pos[few], cache, rows), vq[few])
+    oq, ok = norm_rope_qk(q[few], k[few], wq, wk, eps, pos[few], cache, rows)
+    assert torch.equal(oq, vq[few]) and torch.equal(ok, vk[few])
 
 
 def test_attention_equals_vllm_paged_prefill_and_decode(pair):
