@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     tokenizer = load_checked_tokenizer(Path(model_dir))
     ids = prompt_ids(args, tokenizer)
     harness = ParityHarness(HarnessConfig(model_dir, args.backend, args.swap_op, args.seed,
-                                          args.gpu_memory_utilization))
+                                          args.gpu_memory_utilization, max_num_seqs=args.batch * args.samples))
     try:
         prompts = [ids] + filler_prompts(args.batch - 1, args.seed)
         samples = harness.generate(prompts, args.samples, args.max_tokens, args.temperature, args.seed)

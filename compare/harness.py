@@ -36,6 +36,9 @@ class HarnessConfig:
     """Run even without VLLM_BATCH_INVARIANT=1 (only to show that the check then fails)."""
     cuda_graphs: str = VLLMEngineConfig.cuda_graphs
     """The engine's CUDA-graph mode (spirl.engines.vllm_engine.CUDA_GRAPH_MODES)."""
+    max_num_seqs: int | None = None
+    """Sequences per engine step (VLLMEngineConfig.max_num_seqs): direct_forward passes how many it
+    generates, so the engine captures and compiles no larger batch sizes (start-up time only)."""
     logprobs: str = "sampling"
     """Which logprobs are compared: `sampling` (vLLM's processed_logprobs: logits / T, then min-p,
     and the trainer applies the same with vLLM's kernels) or `raw` (the raw logits')."""
@@ -73,7 +76,7 @@ class ParityHarness:
         self.engine = VLLMEngine(VLLMEngineConfig(
             cfg.model_dir, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
             require_batch_invariant=not cfg.allow_batch_variant, cuda_graphs=cfg.cuda_graphs,
-            logprobs_mode=VLLM_LOGPROBS_MODE[cfg.logprobs]))
+            logprobs_mode=VLLM_LOGPROBS_MODE[cfg.logprobs], max_num_seqs=cfg.max_num_seqs))
         backend = cfg.backend
         if backend == "vllm":
             from torchtitan_compat.vllm_ops import VLLMBackend
