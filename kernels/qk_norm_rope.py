@@ -196,6 +196,9 @@ def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     least 1024 elements per block (see `_row_block`); by default chosen by the row count (same bits)."""
     t, hq, d = q.shape
     hk = k.shape[1]
+    if k.dim() != 3 or k.shape[0] != t or k.shape[2] != d or positions.dim() != 1 or positions.shape[0] < t:
+        raise ValueError(f"norm_rope_qk: q {list(q.shape)}, k {list(k.shape)} and positions {list(positions.shape)} "
+                         f"must share the token count and head size ([T, Hq, D], [T, Hk, D], [>= T])")
     qo = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     ko = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
     _launch(q, q_weight, qo, k, k_weight, ko, eps, positions, cos_sin_cache, rows_per_program)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.qk_norm_rope import default_rows, norm_rope
+from kernels.qk_norm_rope import default_rows, norm_rope, norm_rope_qk
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +26,14 @@ def test_rows_per_program_that_would_change_the_reduction_are_refused(rows, d, w
     with pytest.raises(ValueError, match=why):
         norm_rope(x, torch.ones(d, dtype=torch.bfloat16), 1e-6, torch.zeros(4, dtype=torch.long),
                   torch.zeros(8, d, dtype=torch.bfloat16), rows_per_program=rows)
+
+
+@pytest.mark.parametrize("k_shape,n_pos", [((5, 2, 128), 4), ((4, 2, 64), 4), ((4, 2, 128), 3)])
+def test_q_and_k_of_other_tokens_or_head_sizes_are_refused(k_shape, n_pos):
+    q, w = torch.zeros(4, 8, 128, dtype=torch.bfloat16), torch.ones(128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="must share the token count and head size"):
+        norm_rope_qk(q, torch.zeros(k_shape, dtype=torch.bfloat16), w, w, 1e-6, torch.zeros(n_pos, dtype=torch.long),
+                     torch.zeros(8, 128, dtype=torch.bfloat16))
 
 
 def test_default_rows():
