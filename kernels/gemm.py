@@ -306,24 +306,21 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
     config = config or pick_config(m, n, k)
     bm, bn, gm, warps, stages = CONFIGS[config]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=gm, num_warps=warps, num_stages=stages)
     if config.startswith(("pers_", "tma_")) and _tma_ok(a, w, c):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         descs = (TensorDescriptor.from_tensor(a, [bm, BLOCK_K]), TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
                  TensorDescriptor.from_tensor(c, [bm, bn]))
-        tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=gm, num_warps=warps, num_stages=stages)
         if config.startswith("pers_"):
             sms = _num_sms(x.device)
             _bi_matmul_persistent_kernel[(min(sms, grid[0]),)](*descs, m, n, k, NUM_SMS=sms, **tiles)
         else:
             _bi_matmul_tma_kernel[grid](*descs, m, n, k, **tiles)
         return c.reshape(*lead, n)
+    ptrs = (a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0), c.stride(0), c.stride(1))
     if config.startswith("swp_"):
-        _bi_matmul_swap_kernel[grid](a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0),
-                                     c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
-                                     GROUP_M=gm, num_warps=warps, num_stages=stages)
-        return c.reshape(*lead, n)
-    _bi_matmul_kernel[grid](a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0),
-                            c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
-                            GROUP_M=gm, MASK_M=config.startswith("dec_"), num_warps=warps, num_stages=stages)
+        _bi_matmul_swap_kernel[grid](*ptrs, **tiles)
+    else:
+        _bi_matmul_kernel[grid](*ptrs, MASK_M=config.startswith("dec_"), **tiles)
     return c.reshape(*lead, n)
