@@ -1,7 +1,10 @@
-"""Shared pytest fixtures: random Qwen3 checkpoints written once per test session, and a scratch
-directory per test module that is removed when the module is done."""
+"""Shared pytest fixtures: random Qwen3 checkpoints written once per test session, a scratch
+directory per test module that is removed when the module is done, and Triton's interpreter in a
+fresh process."""
 
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,3 +47,20 @@ def module_dir(request, tmp_path_factory) -> Path:
     yield path
     if request.session.testsfailed == failed_before:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def triton_interpreter():
+    """`run(*args, timeout=...)`: `python *args` in a fresh process with TRITON_INTERPRET=1, from the
+    repository root; returns its stdout, and fails the test with the end of its stderr if it exits
+    non-zero. A fresh process, because Triton reads the variable when `@triton.jit` defines a kernel:
+    set in this process it would leak into every other test. Kernels run on the CPU there, with
+    NumPy's arithmetic, so these checks are of indexing and math, never of GPU bits."""
+
+    def run(*args: str, timeout: float) -> str:
+        proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+                              capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, f"interpreter process failed:\n{proc.stderr[-6000:]}"
+        return proc.stdout
+
+    return run

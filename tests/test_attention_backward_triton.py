@@ -33,8 +33,6 @@ accumulates in fp32. The GPU path is untouched by this.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -199,13 +197,9 @@ def _worker() -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(triton_interpreter):
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, check=False)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(triton_interpreter(__file__, timeout=300).strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])

@@ -13,9 +13,6 @@ float16 3e-3 (one fp16 rounding of the output, unit roundoff 4.9e-4, plus fp16 i
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -77,12 +74,8 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(ROOT)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def results(triton_interpreter):
+    return json.loads(triton_interpreter("-c", WORKER, str(ROOT), timeout=600).strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("dtype", list(TOL))

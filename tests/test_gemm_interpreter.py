@@ -8,14 +8,7 @@ wrong elements, which on the GPU would show up only as a failed parity run.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from kernels.gemm import CONFIGS, pick_config
-
-ROOT = Path(__file__).resolve().parents[1]
 
 _INTERPRETED = r"""
 import torch
@@ -33,11 +26,8 @@ print(bad or "ok")
 """
 
 
-def test_every_config_writes_the_same_elements_in_triton_s_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when the kernels are defined: a fresh process
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.stdout[-2000:], proc.stderr[-2000:])
+def test_every_config_writes_the_same_elements_in_triton_s_interpreter(triton_interpreter):
+    assert triton_interpreter("-c", _INTERPRETED, timeout=600).strip() == "ok"
 
 
 def test_pick_config_names_a_config_for_every_shape():

@@ -5,17 +5,10 @@ tests/gpu/test_ops_vs_vllm.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kernels.qk_norm_rope import default_rows, norm_rope, norm_rope_qk
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("rows,d,why", [(0, 128, "power of two"), (3, 128, "power of two"), (24, 128, "power of two"),
@@ -63,14 +56,11 @@ print("ok")
 """
 
 
-def test_the_multi_row_kernel_computes_the_same_rows_in_triton_s_interpreter():
+def test_the_multi_row_kernel_computes_the_same_rows_in_triton_s_interpreter(triton_interpreter):
     """Indexing check on CPU (Triton's interpreter, TRITON_INTERPRET=1, in a fresh process because the
     variable is read when the kernels are defined): the multi-row kernel reads each row's head, token
     position and strided slice and writes the same output rows as the one-row kernel, with partial last
     blocks (37 x 16 rows in blocks of 64) and heads that are a slice of a wider row; the q+k launch writes
     q's rows and k's rows where the two one-tensor calls do. The interpreter sums with NumPy, so this says
     nothing about GPU bits; tests/gpu/test_ops_vs_vllm.py proves those."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    assert triton_interpreter("-c", _INTERPRETED, timeout=300).strip() == "ok"
