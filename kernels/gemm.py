@@ -244,7 +244,7 @@ def pick_config(m: int, n: int, k: int) -> str:
       (1.7B gate_up 28.2-29.1 us at 1-8 rows against 31.7-31.9 and cuBLAS's 28.1-29.3), 16 weight
       rows and 16 stages above (lm_head: 1.7B 213.6-218.5 against 219.6-224.2, 8B 416.2-422.7
       against 422.7-428.6 and cuBLAS's 445.9-449.0; 8B gate_up 82.1-83.0 against 83.0-83.7).
-      Outputs up to 4096 wide gained nothing from it (within +-0.7 us).
+      Outputs up to 4096 wide gained at most 1.1 us (5 %) from it, from no one config: not picked.
     * 65-512 rows (2026-11-23/26): narrow tiles for outputs up to 4096 wide; 128x128 tiles, 5
       stages, for wider ones at up to 256 rows (8B qkv 37.8 us and gate_up 102.8 us against 41.6
       and 111.1 with 4 stages); vocabulary-wide outputs (lm_head) from 129 rows on take the
