@@ -9,6 +9,7 @@ fixture:
     B   2 ranks, --resume A/step_000001      -> identical to A, bit for bit
     C   1 process, --resume A/step_000001    -> a 2-rank checkpoint resumes on one process
     D   2 ranks, --resume S/step_000001      -> a 1-process checkpoint resumes on 2 ranks
+    N   2 nodes x 1 rank (two torchrun agents, c10d rendezvous), A's config -> identical to A, bit for bit
 
 What is bitwise and what is not, and why. The ranks split the prompts (whole groups) and sample
 them with the seeds one process uses, so S and A sample the same tokens and compute the same
@@ -44,21 +45,50 @@ SAME_SAMPLES = ("reward_mean", "reward_std", "parity/tokens_compared", "parity/t
                 "parity/max_abs_diff", "completion_len_mean", "tokens_trained", "skipped_update")
 
 
+def _env(omp: bool = True) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if not omp:
+        del env["OMP_NUM_THREADS"]
+    return env
+
+
+def _cmd(root: Path, name: str, extra) -> list[str]:
+    # one shared random model (written once by S), each run's own logs and checkpoints
+    return [*ARGS, "--steps", "2", "--out-dir", str(root / name / "runs"), "--checkpoint-dir", str(root / "ck"),
+            "--run-name", name, *extra]
+
+
 def _run(root: Path, name: str, ranks: int, *extra: str) -> Path:
     """Run simple_rl.py (under torchrun when ranks > 0) into root/name; returns that directory."""
-    out = root / name
     cmd = [sys.executable, str(REPO / "simple_rl.py")]
     if ranks:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                str(REPO / "simple_rl.py")]
-    # one shared random model (written once by S), each run's own logs and checkpoints
-    cmd += [*ARGS, "--steps", "2", "--out-dir", str(out / "runs"), "--checkpoint-dir", str(root / "ck"),
-            "--run-name", name, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    proc = subprocess.run(cmd + _cmd(root, name, extra), capture_output=True, text=True, env=_env(), timeout=600,
+                          cwd=root)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return out
+    return root / name
+
+
+def run_two_nodes(root: Path, name: str, *extra: str, env: dict | None = None) -> Path:
+    """2 nodes x 1 rank on this machine: two torchrun agents meeting at a c10d rendezvous, as on two
+    hosts. OMP_NUM_THREADS is left unset, as a user's shell leaves it (torchrun sets it to 1 only for
+    several ranks per node): the ranks must compute what 1 node x 2 ranks computes anyway."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}",
+                               str(REPO / "simple_rl.py"), *_cmd(root, name, extra)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
+                              env=env or _env(omp=False))
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), f"{name} failed:\n{outs[0][-3000:]}\n{outs[1][-3000:]}"
+    return root / name
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +99,7 @@ def runs(module_dir) -> dict[str, Path]:
     r["B"] = _run(root, "B", 2, "--resume", str(root / "ck" / "A" / "step_000001"))
     r["C"] = _run(root, "C", 0, "--resume", str(root / "ck" / "A" / "step_000001"))
     r["D"] = _run(root, "D", 2, "--resume", str(root / "ck" / "S" / "step_000001"))
+    r["N"] = run_two_nodes(root, "N")
     r["ck"] = root / "ck"
     return r
 
@@ -120,6 +151,18 @@ def test_two_rank_runs_repeat_bit_for_bit(runs):
     assert [_deterministic(a[s]) for s in (1, 2)] == [_deterministic(a2[s]) for s in (1, 2)]
     for what in ("model", "optimizer"):
         x, y = _checkpoint(runs, "A", 2, what), _checkpoint(runs, "A2", 2, what)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), what
+
+
+def test_two_nodes_of_one_rank_train_what_one_node_of_two_trains(runs):
+    """Same configuration, ranks spread over two torchrun agents: the same collectives in the same order,
+    so every metric and every byte of the weights and optimizer state is A's. (It differed from the
+    8th digit on while a rank alone on its node computed with every CPU thread: see
+    spirl.core.distributed._pin_cpu_threads.)"""
+    a, n = _metrics(runs["A"]), _metrics(runs["N"])
+    assert [_deterministic(a[s]) for s in (1, 2)] == [_deterministic(n[s]) for s in (1, 2)]
+    for what in ("model", "optimizer"):
+        x, y = _checkpoint(runs, "A", 2, what), _checkpoint(runs, "N", 2, what)
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), what
 
 
@@ -235,3 +278,30 @@ def test_an_error_on_one_rank_is_raised_on_every_rank():
     assert e.value.exit_code == EXIT_IO
     rank0.peer = None
     rank0.raise_if_any(None)  # nobody failed: nothing raised
+
+
+@pytest.mark.parametrize("saved, device, restored, note", [
+    ({"torch_cuda": 10}, 1, 10, None),                        # this format: the writer's own GPU, onto ours
+    ({f"torch_cuda_{i}": 20 + i for i in range(4)}, 0, 20, "3 of the checkpoint's 4"),  # older: 4 GPUs, resumed on 1
+    ({f"torch_cuda_{i}": 20 + i for i in range(2)}, 3, None, "2 of the checkpoint's 2"),  # older: no state of GPU 3
+    ({"torch_cuda": 10}, None, None, "1 of the checkpoint's 1"),  # a GPU checkpoint resumed on the CPU
+], ids=["own", "4-GPU checkpoint on 1", "other GPUs only", "on the CPU"])
+def test_rng_states_of_gpus_that_are_not_here_are_skipped_with_one_line(monkeypatch, saved, device, restored, note):
+    """A checkpoint written on N GPUs resumes on M (the IndexError of set_rng_state_all with 4 states and 2
+    GPUs): the state of this process's GPU is restored, the others are named in one line."""
+    import random
+
+    from spirl.core import checkpoint as ckpt
+
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device is not None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: set_to.append(s))
+    state = {"python_rng": [3, list(random.getstate()[1]), None],
+             "_rng": {"torch_cpu": torch.get_rng_state(), **saved}}
+    said = ckpt.restore_rng(state)
+    assert set_to == ([] if restored is None else [restored])
+    if note is None:
+        assert said is None
+    else:
+        assert said.startswith(note) and "no sample depends on them" in said

@@ -5,7 +5,7 @@ Layout under <checkpoint_dir>/<run_name>/:
     step_000010/adapter_config.json     the adapters as a PEFT adapter (what PEFT and vLLM load;
     step_000010/adapter_model.safetensors   float32, PEFT's tensor names: torchtitan_compat.peft_adapter)
     step_000010/optimizer.safetensors   AdamW per-parameter tensors (exp_avg, exp_avg_sq, step)
-    step_000010/rng.safetensors         torch CPU (and CUDA) generator states
+    step_000010/rng.safetensors         torch CPU (and this process's CUDA) generator states
     step_000010/state.json              step, config, param_groups, python RNG state
     latest                              name of the newest complete step directory
 
@@ -109,8 +109,8 @@ def write_dir(final: Path, masters: dict[str, torch.Tensor], optimizer, state: d
         opt_tensors, groups = optimizer if isinstance(optimizer, tuple) else optimizer_tensors(optimizer)
         save_tensors(tmp / "optimizer.safetensors", opt_tensors)
         rng = {"torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # the GPU this process computes on
+            rng["torch_cuda"] = torch.cuda.get_rng_state()
         save_tensors(tmp / "rng.safetensors", rng)
         py_state = random.getstate()
         _write_json(tmp / "state.json", {**state, "param_groups": groups,
@@ -264,11 +264,34 @@ def load(path: str | Path, device, rows=None) -> tuple[dict, dict[str, torch.Ten
     return state, masters, {"state": opt_state, "param_groups": state["param_groups"]}
 
 
-def restore_rng(state: dict) -> None:
+def restore_rng(state: dict) -> str | None:
+    """Restore the Python and torch generators; returns one line on what could not be restored (else None).
+
+    A checkpoint holds the CPU generator and the CUDA generator of the GPU its writer computed on
+    (`torch_cuda`; checkpoints before 2026-11-26: `torch_cuda_<i>` of every GPU the writer saw, i.e.
+    of N GPUs under torchrun). The CUDA state is restored onto this process's GPU when there is one;
+    the states of other GPUs are not, and need not be: no sample or update depends on a CUDA
+    generator (vLLM's requests carry their own seeds, the trainer draws no random numbers on the GPU),
+    so a checkpoint resumes on any number of GPUs, or on none, with the same samples."""
     v, internal, gauss = state["python_rng"]
     random.setstate((v, tuple(internal), gauss))
     rng = state["_rng"]
     torch.set_rng_state(rng["torch_cpu"])
-    cuda = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    cuda = {k: t for k, t in rng.items() if k.startswith("torch_cuda")}
+    if not cuda:
+        return None
+    if not torch.cuda.is_available():
+        restored = None
+    else:
+        mine = "torch_cuda" if "torch_cuda" in cuda else f"torch_cuda_{torch.cuda.current_device()}"
+        restored = mine if mine in cuda else None
+        if restored:
+            torch.cuda.set_rng_state(cuda[restored])
+    left = len(cuda) - (restored is not None)
+    if not left:
+        return None
+    where = "this process has no GPU" if not torch.cuda.is_available() else \
+        f"this process computes on GPU {torch.cuda.current_device()} only"
+    return (f"{left} of the checkpoint's {len(cuda)} CUDA generator state(s) not restored ({where}); no sample "
+            "depends on them: vLLM's requests carry their own seeds and the trainer draws no random numbers on "
+            "the GPU")

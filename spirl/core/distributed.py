@@ -95,6 +95,12 @@ class World:
             return dict(values)
         return dict(zip(values, (v / self.size for v in self.all_sum(list(values.values())))))
 
+    def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In place: `t` becomes the element-wise sum over ranks (identical on every rank)."""
+        if self.sharded:
+            dist.all_reduce(t)
+        return t
+
     def any(self, flag: bool) -> bool:
         return self.all_max(1.0 if flag else 0.0) > 0
 
@@ -130,6 +136,24 @@ class World:
             return t.detach().cpu().contiguous()
         full = t.detach().full_tensor()
         return full.cpu().contiguous() if self.is_main else None
+
+
+def check_replicas(tensors: dict[str, torch.Tensor], world: World, what: str) -> None:
+    """Collective: raise (a bug) unless every rank holds bit-identical `tensors` (replicated state, e.g.
+    LoRA adapters): a sha256 of their bytes, in name order, compared over ranks."""
+    if not world.sharded:
+        return
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    digests = world.gather(h.hexdigest())
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise RuntimeError(f"the {what} of rank(s) {differ} differ from rank 0's: the replicas diverged "
+                           f"(every rank must take the same optimizer step)")
 
 
 def _args_of(e: BaseException) -> tuple:
@@ -221,6 +245,7 @@ def init_world(device: torch.device) -> World:
         backend = "nccl"
     else:
         backend = "gloo"
+        _pin_cpu_threads()
     if not dist.is_initialized():
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     world = World(rank, size, local_rank, True, device)
@@ -229,6 +254,18 @@ def init_world(device: torch.device) -> World:
             logging.getLogger(name).setLevel(logging.WARNING)
     log.info("torchrun: %d rank(s), backend %s, this is rank %d on %s", size, backend, rank, device)
     return world
+
+
+def _pin_cpu_threads() -> None:
+    """On the CPU the trainer's numbers depend on torch's intra-op thread count (a GEMM split over
+    more threads sums in another order). torchrun sets OMP_NUM_THREADS=1 for its workers only when a
+    node runs several of them, so 2 nodes x 1 rank computed other bits than 1 node x 2 ranks. A rank
+    on the CPU therefore uses one thread unless OMP_NUM_THREADS says otherwise, however the ranks are
+    spread over nodes (GPU kernels do not depend on it)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+        log.info("CPU rank: 1 intra-op thread (as torchrun sets for several ranks per node); set "
+                 "OMP_NUM_THREADS to choose, the same on every node")
 
 
 def check_distributed_config(cfg, world: World) -> None:

@@ -19,6 +19,7 @@ Exit statuses:
     6    I/O: an output directory that is not writable, a full disk, permission denied
     7    training stopped: engine and trainer logprobs differ (parity broken)
     8    training stopped: the loss became NaN/Inf
+    9    training stopped: another rank of a torchrun job failed (the line names it and its cause)
     70   internal error (a bug): the traceback is printed
     130  interrupted by SIGINT (Ctrl-C); 143 by SIGTERM (128 + the signal number)
 """
@@ -44,6 +45,7 @@ EXIT_MEMORY = 5
 EXIT_IO = 6
 EXIT_PARITY = 7
 EXIT_DIVERGED = 8
+EXIT_PEER_FAILED = 9
 EXIT_BUG = 70
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143

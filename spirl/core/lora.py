@@ -14,6 +14,13 @@ parity is full fine-tuning's problem. One copy of the weights is on the GPU:
   and exist once, in the engine;
 * the native engine (CPU) decodes with the trainer's model itself, so the same holds there.
 
+Several ranks (torchrun): data parallel with replicated adapters. Each rank builds exactly what one GPU
+builds (its own engine on its GPU, the whole frozen base, the adapters from the same seed), samples and
+trains on its own share of the prompts, and `reduce_grads` averages the adapters' gradients over the
+ranks (one all-reduce of a flat float32 buffer) before the optimizer step, so every rank takes the same
+step and the replicas stay equal bit for bit (checked at every checkpoint, `check_replicas`). Sharding
+the adapters would save little: they are ~1-2 % of the weights (docs/distributed.md).
+
 Only the adapters (float32) have gradients and AdamW state. The reference policy (kl_coef > 0) is
 the initial adapters: merged in for the reference forward, merged out after. Checkpoints hold the
 adapters as a PEFT adapter (spirl.core.checkpoint); `--lora-init` starts from one. What to build
@@ -78,7 +85,27 @@ class LoRAPolicy(Policy):
     reference_adapters: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
     """Module path -> {target: (A, B)} of the initial adapters, kept when there is a KL term."""
     engine_shares_weights = True
+    shards_model = False
     merge_phase = "lora_merge"
+
+    def reduce_grads(self) -> None:
+        """Several ranks: the mean over ranks of each adapter gradient. Each rank's loss is its own
+        samples' mean and every rank holds as many samples, so the mean of the ranks' gradients is the
+        gradient of the mean over all samples. One all-reduce (sum) of every gradient flattened into
+        one float32 buffer, in parameter order, then a division by the rank count; every rank receives
+        the same sum, so every replica takes the same optimizer step."""
+        world = self.world
+        if not world.sharded:
+            return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        params = [p for p in self.masters.values()]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = _flatten_dense_tensors(grads)
+        world.all_reduce_sum_(flat)
+        flat.div_(world.size)
+        for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
+            p.grad = g
 
     @torch.no_grad()
     def push_masters_to_model(self) -> None:
@@ -135,8 +162,6 @@ def build_lora_policy_and_engine(model: ModelDir, spec: PolicySpec, device: torc
     from .optim import build_adamw
     from .policy import build_engine
 
-    if world.sharded:
-        raise LoRAError("LoRA under torchrun (several GPUs) is not supported yet: run LoRA on one GPU")
     dtype = getattr(torch, spec.dtype)
     lora, args = spec.lora.spec, model.args
     compat = _load_base(model, dtype)
@@ -146,7 +171,7 @@ def build_lora_policy_and_engine(model: ModelDir, spec: PolicySpec, device: torc
                  "embedding); the input embedding stays frozen")
     engine = None
     if spec.engine.kind == "vllm":
-        engine = build_engine(spec.engine, model, None, load_format="dummy", untie_lm_head=untie)
+        engine = build_engine(spec.engine, model, None, world, load_format="dummy", untie_lm_head=untie)
         named = dict(weights_vllm_compat.compat_to_vllm_weights(compat, args))
         if untie:
             named["lm_head.weight"] = compat["tok_embeddings.weight"]

@@ -45,11 +45,20 @@ class Policy:
     optimizer: torch.optim.Optimizer
     world: World = field(default_factory=World)
     compute_dtype: torch.dtype = torch.float32
+    shards_model = True
+    """Under torchrun the model is FSDP2-sharded over the ranks (full fine-tuning). False for LoRA: every
+    rank holds the whole frozen model (its engine's) and a replica of the adapters (spirl.core.lora)."""
     engine_shares_weights = False
     """True when the engine computes with the model's own weight tensors (LoRA, spirl.core.lora): the
     weight sync is then the merge `push_masters_to_model` does, and nothing is loaded."""
     merge_phase = "optimizer"
     """The timing phase `push_masters_to_model` is counted in."""
+
+    @property
+    def fsdp(self) -> bool:
+        """The model is sharded over several ranks by FSDP2: every forward and backward is a sequence of
+        collectives (so every rank must run as many), and FSDP reduces the gradients itself."""
+        return self.world.sharded and self.shards_model
 
     @property
     def has_reference(self) -> bool:
@@ -62,7 +71,7 @@ class Policy:
 
     @torch.no_grad()
     def push_masters_to_model(self) -> None:
-        if self.world.sharded:  # FSDP casts the masters at every all-gather
+        if self.fsdp:  # FSDP casts the masters at every all-gather
             return
         for name, p in self.model.named_parameters():
             p.copy_(self.masters[name])  # cast to the compute dtype
@@ -70,7 +79,7 @@ class Policy:
     def grads_to_masters(self) -> None:
         """Accumulate the compute model's grads into the masters' fp32 .grad, then clear them
         (sharded: FSDP has reduce-scattered them into the masters' .grad already)."""
-        if self.world.sharded:
+        if self.fsdp:
             return
         for name, p in self.model.named_parameters():
             if p.grad is None:
@@ -79,6 +88,10 @@ class Policy:
             g = p.grad.to(torch.float32)
             m.grad = g.clone() if m.grad is None else m.grad.add_(g)
             p.grad = None
+
+    def reduce_grads(self) -> None:
+        """Before the optimizer step: make the masters' gradients those of the loss over every rank's
+        samples. Nothing to do on one process, nor under FSDP (its backward reduce-scatters them)."""
 
 
 def build_policy(model: ModelDir, spec: PolicySpec, device: torch.device, world: World | None = None) -> Policy:
@@ -116,14 +129,17 @@ def _build_sharded_policy(model: ModelDir, spec: PolicySpec, device, world: Worl
     return Policy(masters, compute, ref, build_adamw(masters, spec.lr, spec.weight_decay), world, dtype)
 
 
-def build_engine(engine: EngineSpec, model: ModelDir, policy: Policy | None, **engine_settings):
+def build_engine(engine: EngineSpec, model: ModelDir, policy: Policy | None, world: World | None = None,
+                 **engine_settings):
     """The rollout engine: native (on the policy's model) or vLLM (`engine_settings` go to
-    VLLMEngineConfig, e.g. LoRA's placeholder weights)."""
+    VLLMEngineConfig, e.g. LoRA's placeholder weights). `world`: the ranks (default: the policy's);
+    under torchrun each rank gets an engine of its own (vLLM's external launcher, tensor parallel 1)."""
+    world = world or (policy.world if policy is not None else World())
     if engine.kind == "native":
         from ..engines.native_engine import NativeEngine
 
         decoder = policy.model
-        if policy.world.sharded:  # the engine decodes on its own whole copy (weights synced into it)
+        if policy.fsdp:  # the engine decodes on its own whole copy (weights synced into it)
             from weights_vllm_compat import load_model
 
             decoder = load_model(model, device=policy.world.device, dtype=policy.compute_dtype,
@@ -135,7 +151,7 @@ def build_engine(engine: EngineSpec, model: ModelDir, policy: Policy | None, **e
         str(model.path), seed=engine.seed, gpu_memory_utilization=engine.gpu_memory_utilization,
         max_model_len=engine.max_model_len, cuda_graphs="none" if engine.eager else "full_decode_only",
         logprobs_mode=VLLM_LOGPROBS_MODE[engine.logprobs], sleep_between_rollouts=engine.sleep_between_rollouts,
-        external_launcher=policy is not None and policy.world.sharded, model_args=model.args, **engine_settings))
+        external_launcher=world.sharded, model_args=model.args, **engine_settings))
 
 
 def sync_weights(engine, policy: Policy, spec: PolicySpec) -> None:
@@ -145,7 +161,7 @@ def sync_weights(engine, policy: Policy, spec: PolicySpec) -> None:
 
     if policy.engine_shares_weights:  # the merge after the optimizer step wrote the engine's tensors
         return
-    if policy.world.sharded:
+    if policy.fsdp:
         groups = gathered_weight_groups(policy.model, policy.compute_dtype)
     else:
         groups = [{k: v.detach() for k, v in policy.model.named_parameters()}]
@@ -179,7 +195,7 @@ def resume_into(policy: Policy, path: str, device) -> int:
     uninterrupted one."""
     from .distributed import like, local
 
-    sharded = policy.world.sharded
+    sharded = policy.fsdp
     state, masters, opt_state = ckpt.load(path, device, _shard_rows(policy) if sharded else None)
     d = ckpt.resolve(path)
     with torch.no_grad():
@@ -208,6 +224,9 @@ def resume_into(policy: Policy, path: str, device) -> int:
                     raise ckpt.CheckpointError(f"--resume {d}: its optimizer state has shape {list(t.shape)} for a "
                                                f"parameter of shape {list(p.shape)}; pass another checkpoint")
     policy.push_masters_to_model()
-    ckpt.restore_rng(state)
-    log.info("resumed from %s at step %d", d, state["step"])
+    note = ckpt.restore_rng(state)
+    if note:
+        log.info("resume: %s", note)
+    log.info("resumed from %s at step %d (written by %s rank(s), resumed on %d)", d, state["step"],
+             state.get("world_size", "?"), policy.world.size)
     return int(state["step"])

@@ -18,9 +18,17 @@ Setup order: cheap checks first (spirl/core/preflight.py), so that a bad setup f
      (`TrainConfig.policy_spec`), the engine (which gets the trainer's exact weights), then steps.
 Metrics: one TensorBoard scalar set and one metrics.jsonl line per step (spirl.core.metrics);
 checkpoints every `checkpoint_every` steps and after the last (spirl.core.checkpoint).
-Interrupts: SIGINT and SIGTERM stop the run where it is (logging a step and writing a checkpoint
-finish first); the logs are flushed, no partial checkpoint is left, and the one line says which
---resume continues the run (exit status 128 + the signal number).
+Interrupts: SIGINT stops the run where it is (logging a step and writing a checkpoint finish
+first); the logs are flushed, no partial checkpoint is left, and the one line says which --resume
+continues the run (exit status 130). SIGTERM (a scheduler's preemption: Slurm, Kubernetes, torchrun
+stopping its workers) during training stops the run at the next safe point, on every rank together:
+after the rollout of the step in progress (which is then dropped: nothing of it was applied) or after
+the step; a checkpoint of the last completed step is written unless one exists, and the run exits 0.
+The wait is bounded by the phase in progress (one rollout, or one step's training and checkpoint).
+More SIGTERMs change nothing (a scheduler may signal every process of the job and torchrun forward it
+again); SIGINT stops at once. During setup SIGTERM stops at once (exit status 143): nothing to save.
+Several ranks (torchrun): a PeerWatch (spirl.core.faults) stops every rank within seconds when one
+dies or fails, with one line naming it (exit status 9 on the others).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import logging
 import random
 import signal
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -41,6 +49,7 @@ from . import trainer
 from ..core.config import TrainConfig, checkpoint_dict, to_dict
 from ..core.distributed import World, check_distributed_config, check_distributed_task, init_world, launched_by_torchrun
 from ..core.errors import UserError
+from ..core.faults import PeerWatch
 from .evaluation import evaluate, require_eval_set
 from ..core.metrics import MetricsLogger
 from ..core.preflight import (
@@ -65,15 +74,21 @@ _NATIVE = "; on a machine without vLLM/CUDA use --engine native --dtype float32"
 
 
 def save_checkpoint(cfg: TrainConfig, policy: Policy, spec: PolicySpec, step: int, model_dir: Path,
-                    reference: dict | None = None) -> Path | None:
+                    reference: dict | None = None, watch=None) -> Path | None:
     """Collective when sharded: every rank gathers, rank 0 writes the one-GPU format (so the run
-    resumes on any number of GPUs), and a failed write fails every rank."""
+    resumes on any number of GPUs), and a failed write fails every rank. Replicated state (LoRA on
+    several ranks) is first checked to be bitwise the same on every rank. `watch`: the PeerWatch,
+    told that rank 0's write must not be cut."""
+    from ..core.distributed import check_replicas
+
     world = policy.world
     state = {"config": checkpoint_dict(cfg), "model_dir": str(model_dir), "world_size": world.size}
     if reference is not None:
         state["reference"] = reference
     masters = {name: world.full_cpu(p) for name, p in policy.masters.items()}
     opt = ckpt.optimizer_tensors(policy.optimizer, world.full_cpu)
+    if world.sharded and not policy.fsdp:
+        check_replicas({**masters, **opt[0]}, world, "adapters and their optimizer state")
     adapter = None
     if getattr(policy, "spec", None) is not None:  # LoRA: the masters are written as a PEFT adapter
         from ..core.lora import adapter_writer
@@ -82,7 +97,8 @@ def save_checkpoint(cfg: TrainConfig, policy: Policy, spec: PolicySpec, step: in
     path, error = None, None
     if world.is_main:
         try:
-            path = ckpt.save(Path(cfg.checkpoint_dir) / cfg.run_name, step, masters, opt, state, adapter)
+            with watch.local_write() if watch is not None else nullcontext():
+                path = ckpt.save(Path(cfg.checkpoint_dir) / cfg.run_name, step, masters, opt, state, adapter)
         except UserError as e:
             error = e
     world.raise_if_any(error)
@@ -103,11 +119,15 @@ class Interrupted(KeyboardInterrupt):
 
 
 class _Signals:
-    """SIGINT and SIGTERM raise Interrupted: at once, or inside `deferred()` when the block ends
-    (a second signal meanwhile raises at once). Installed only in the main thread; restored on exit."""
+    """SIGINT (and SIGTERM before `graceful` is set) raises Interrupted: at once, or inside `deferred()`
+    when the block ends (a second signal meanwhile raises at once). Once `graceful` is set (the step
+    loop runs), SIGTERM only sets `stop_requested`: the run stops at its next safe point (`_train`).
+    Installed only in the main thread; restored on exit."""
 
     def __init__(self):
         self.depth, self.pending, self.previous = 0, None, {}
+        self.graceful = False
+        self.stop_requested = False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -120,6 +140,12 @@ class _Signals:
             signal.signal(s, handler)
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGTERM and self.graceful:
+            if not self.stop_requested:
+                self.stop_requested = True
+                log.warning("SIGTERM: stopping at the next safe point (after this rollout or this step), then a "
+                            "checkpoint and exit 0 (SIGINT stops at once)")
+            return
         if self.depth and self.pending is None:
             self.pending = signum
             return
@@ -165,12 +191,41 @@ def _interrupted(e: KeyboardInterrupt, cfg: TrainConfig, progress: dict) -> User
 
 def train(cfg: TrainConfig) -> list[dict]:
     """Run cfg.steps GRPO steps; returns the per-step metrics (also logged)."""
-    progress: dict = {"step": None, "done": None}
+    progress: dict = {"step": None, "done": None, "saved": None, "watch": None}
     with _Signals() as signals:
         try:
             return _train(cfg, signals, progress)
         except KeyboardInterrupt as e:
             raise _interrupted(e, cfg, progress) from None
+        except BaseException as e:
+            if progress["watch"] is None:
+                raise
+            raise _on_rank_error(e, progress["watch"]) from None
+        finally:
+            if progress["watch"] is not None:
+                progress["watch"].close()
+
+
+def _on_rank_error(e: BaseException, watch) -> BaseException:
+    """Under torchrun: the error to report for `e`, raised on this rank. An error of a collective (a peer
+    died inside it) becomes the first failure the PeerWatch knows of; any other is published, so the
+    other ranks stop naming it, and reported as it is."""
+    import torch.distributed as dist
+
+    from ..core.errors import EXIT_PEER_FAILED, UserError, classify, one_line
+
+    known = classify(e)
+    text = str(e)
+    if known is None and (isinstance(e, dist.DistError) or "gloo" in text or "NCCL" in text):
+        watch.reporting()  # a collective failed: did a peer die inside it? The watch finds out
+        peer = watch.peer_failure(wait=watch.stale_after + 2 * watch.interval)
+        if peer:
+            return UserError(f"{peer}; rank {watch.rank} stopped too", EXIT_PEER_FAILED)
+    line = known[1] if known else f"internal error: {type(e).__name__}: {one_line(text)[:200]}"
+    first = watch.failing(line)
+    if first.partition(": ")[2] != line:  # another rank failed first (not the same error on every rank)
+        return UserError(f"{first}; rank {watch.rank} stopped too", EXIT_PEER_FAILED)
+    return e
 
 
 def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
@@ -191,6 +246,7 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     world = None
     if launched_by_torchrun():  # join the ranks first: every later check runs on every rank alike
         world = init_world(resolve_device(cfg.device))
+        progress["watch"] = PeerWatch(world.rank, dict(enumerate(world.gather(PeerWatch.identity())))).start()
         check_distributed_config(cfg, world)
         if not world.is_main:  # rank 0 writes a random:<shape> checkpoint once
             world.barrier()
@@ -219,7 +275,7 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     if device.type == "cuda":
         single_turn = longest_prompt is not None and not getattr(task, "multi_turn", False)
         check_memory(cfg, model_args, device, longest_prompt + cfg.max_new_tokens if single_turn else limit,
-                     world.size if world.sharded else 0, None if lora is None else lora.spec)
+                     world.size if world.sharded and lora is None else 0, None if lora is None else lora.spec)
     spec = cfg.policy_spec(lora)
     policy, engine = build_policy_and_engine(model, spec, device, world)
     start = resume_into(policy, cfg.resume, device) if cfg.resume else 0
@@ -230,30 +286,63 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
                                      "device": str(device), "world_size": world.size, "reference": reference},
                            resume_step=start if cfg.resume else None) if world.is_main else _NoLogger()
     history = []
+    progress["saved"] = start if cfg.resume else None
+    watch = progress["watch"]
+    stop = lambda: world.any(signals.stop_requested)  # noqa: E731 - decided by every rank together
+    save = lambda step: _save(cfg, policy, spec, step, model_dir, reference, watch, progress)  # noqa: E731
+    signals.graceful = True
     try:
         if cfg.eval_every and start == 0:  # the baseline: one eval before the first step
             logger.log_step(0, evaluate(engine, task, cfg, world), cfg.steps)
         for step in range(start + 1, cfg.steps + 1):
             progress["step"] = step
-            scalars = trainer.run_step(step, cfg, task, engine, policy, spec, device, run_dir)
+            scalars = trainer.run_step(step, cfg, task, engine, policy, spec, device, run_dir, stop)
+            if scalars is None:  # SIGTERM during the rollout: the step is dropped, nothing of it applied
+                _stop_early(cfg, f"during step {step} (after its rollout; the step is dropped)", progress, save)
+                break
             if cfg.eval_every and step % cfg.eval_every == 0:
                 scalars.update(evaluate(engine, task, cfg, world))
             with signals.deferred():  # a step's log line and its checkpoint are written whole
                 logger.log_step(step, scalars, cfg.steps)
                 history.append(scalars)
                 if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                    save_checkpoint(cfg, policy, spec, step, model_dir, reference)
+                    save(step)
                 progress["done"] = step
+            if step < cfg.steps and stop():
+                _stop_early(cfg, f"after step {step}", progress, save)
+                break
     finally:
         logger.close()
         if not world.sharded:
             engine.close()  # frees the GPU and ends vLLM's torch.distributed world: a clean exit
     if world.sharded:  # every rank done before the shared process group goes
+        watch.done()
         world.barrier()
+        watch.close()
         engine.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return history
+
+
+def _save(cfg, policy, spec, step, model_dir, reference, watch, progress) -> None:
+    save_checkpoint(cfg, policy, spec, step, model_dir, reference, watch)
+    progress["saved"] = step
+
+
+def _stop_early(cfg: TrainConfig, when: str, progress: dict, save) -> None:
+    """SIGTERM: the last completed step checkpointed (unless it is already), one line, and the run ends
+    normally (exit status 0)."""
+    done = progress["done"]
+    if done is not None and progress["saved"] != done:
+        save(done)
+    root = Path(cfg.checkpoint_dir) / cfg.run_name
+    if done is None and progress["saved"] is None:
+        how = "no step was completed, so there is no checkpoint: start the run again"
+    else:
+        how = f"continue with --resume {root}"
+    log.warning("stopped by SIGTERM %s: the last completed step is %s; %s", when,
+                done if done is not None else progress["saved"], how)
 
 
 class _NoLogger:

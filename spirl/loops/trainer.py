@@ -110,18 +110,25 @@ def token_budget_slices(lengths: list[int], budget: int) -> list[slice]:
     return slices
 
 
+def _raise_nonfinite(value: float | None):
+    what = f"loss is {value}" if value is not None else "the loss is not finite on another rank"
+    raise NonFiniteLossError(f"{what}; stopping before its gradient is applied (the last checkpoint is kept)")
+
+
 def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainConfig, device, times) -> dict:
     """One optimizer step over `samples`, accumulated over micro-batches of at most
     cfg.max_tokens_per_microbatch tokens. ref_lps is None when there is no KL term. Returns the
-    mini-batch's loss metrics and the per-layer weight deltas. Sharded: every rank runs as many
+    mini-batch's loss metrics and the per-layer weight deltas. FSDP-sharded: every rank runs as many
     forward/backward passes as the rank with the most micro-batches (FSDP's collectives must pair
-    up); the extra ones are zero-weight passes over a sequence, which add exact zeros."""
+    up); the extra ones are zero-weight passes over a sequence, which add exact zeros. Several ranks:
+    the gradients are averaged over ranks before the optimizer step (`Policy.reduce_grads`)."""
     n = len(samples)
     world = policy.world
     sums: dict[str, float] = {}
     dist = sampling_dist(cfg)
     slices: list[slice | None] = list(token_budget_slices([len(s.ids) for s in samples], cfg.max_tokens_per_microbatch))
-    slices += [None] * (int(world.all_max(len(slices))) - len(slices))
+    if policy.fsdp:
+        slices += [None] * (int(world.all_max(len(slices))) - len(slices))
     for sl in slices:
         padding = sl is None
         sl = slice(0, 1) if padding else sl
@@ -133,9 +140,12 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
             loss, m = grpo_loss(lp, pad(old_lps[sl])[0].to(device), ref, adv[sl].to(device), mask,
                                 cfg.clip_eps, cfg.kl_coef, pad(ent)[0], cfg.entropy_coef)
         finite = bool(torch.isfinite(loss))
-        if world.any(not finite):
-            what = f"loss is {loss.item()}" if not finite else "the loss is not finite on another rank"
-            raise NonFiniteLossError(f"{what}; stopping (the last checkpoint is kept)")
+        if not finite:
+            nonfinite = float(loss.detach())
+        if policy.fsdp and world.any(not finite):  # every rank is at the same pass: decide now
+            _raise_nonfinite(nonfinite if not finite else None)
+        if not finite:  # replicated model: the ranks decide together after their own passes
+            break
         w = 0.0 if padding else (sl.stop - sl.start) / n  # per-sequence means, weighted: the mini-batch mean
         with timed(times, "backward"):
             (loss * w).backward()
@@ -143,11 +153,14 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
         if not padding:
             for k, v in {"loss": float(loss.detach()), **m}.items():
                 sums[k] = sums.get(k, 0.0) + w * v
+    if not policy.fsdp and world.any(not finite):
+        _raise_nonfinite(nonfinite if not finite else None)
     sums = world.mean_over_ranks(sums)  # every rank holds the same number of sequences
     with timed(times, "optimizer"):
+        policy.reduce_grads()
         if cfg.max_grad_norm > 0:
             clip_grad_norm(list(policy.masters.values()), cfg.max_grad_norm)
-        deltas = step_with_deltas(policy.optimizer, world.all_sum)
+        deltas = step_with_deltas(policy.optimizer, world.all_sum if policy.fsdp else None)  # replicas: own sums
         policy.optimizer.zero_grad(set_to_none=True)
     with timed(times, policy.merge_phase):
         policy.push_masters_to_model()
@@ -218,15 +231,19 @@ def step_scalars(policy: Policy, samples, rewards: torch.Tensor, report: ParityR
     return {**out, **world.mean_over_ranks(extra)}
 
 
-def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, spec: PolicySpec, device, run_dir: Path) -> dict:
+def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, spec: PolicySpec, device, run_dir: Path,
+             stop=None) -> dict | None:
     """One GRPO step of `policy` (built from `spec`); its scalars, with time/<phase> and time/step (the
-    whole step's wall clock)."""
+    whole step's wall clock). `stop()`: asked once after the rollout (every rank together); when it says
+    so, the step ends there and returns None, nothing of it applied."""
     times: dict[str, float] = {}
     start = time.perf_counter()
     dist = sampling_dist(cfg)
     world = policy.world
     with timed(times, "rollout"):
         samples, metas, rewards, extra = collect(step, cfg, task, engine, world)
+    if stop is not None and stop():
+        return None
     adv = grpo_advantages(rewards, cfg.group_size)
     multi_turn = getattr(task, "multi_turn", False)
     if multi_turn and cfg.save_rollouts:
