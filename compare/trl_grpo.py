@@ -2,6 +2,7 @@
 
     python compare/trl_grpo.py --model DIR [--task synthetic --prompts-per-step 8 --group-size 8
         --max-new-tokens 1024 --steps 5 --skip 2 --lora-rank 0] [--vllm colocate|none] [--out runs/trl_grpo]
+    accelerate launch --num_processes 2 compare/trl_grpo.py ...   # 2 GPUs share --prompts-per-step (data parallel)
 
 `trl.GRPOTrainer` as its documentation sets it up, on the Qwen3 checkpoint directory that simple_rl.py
 trains: prompts of a spirl task (its chat-template prompt ids, given to TRL as the text they decode to,
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -58,8 +60,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/trl_grpo")
     a = p.parse_args(argv)
     batch = a.prompts_per_step * a.group_size
-    if batch % a.micro_batch:
-        raise SystemExit(f"error: --micro-batch {a.micro_batch} must divide prompts x group = {batch}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under `accelerate launch --num_processes N`: N GPUs share the batch
+    if batch % (a.micro_batch * world):
+        raise SystemExit(f"error: --micro-batch {a.micro_batch} x {world} process(es) must divide prompts x group = {batch}")
 
     import torch
     from datasets import Dataset
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
     config = GRPOConfig(
         output_dir=a.out, max_steps=a.steps, learning_rate=a.lr, seed=a.seed, beta=0.0, num_iterations=1,
         num_generations=a.group_size, generation_batch_size=batch, per_device_train_batch_size=a.micro_batch,
-        gradient_accumulation_steps=batch // a.micro_batch,
+        gradient_accumulation_steps=batch // (a.micro_batch * world),
         max_completion_length=a.max_new_tokens, temperature=1.0, lr_scheduler_type="constant", bf16=cuda,
         gradient_checkpointing=cuda,
         use_vllm=a.vllm == "colocate", vllm_mode="colocate", vllm_gpu_memory_utilization=a.gpu_memory_utilization,

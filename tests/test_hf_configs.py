@@ -261,8 +261,9 @@ def test_hf_quant_config_json_is_refused(tiny_ckpt, tmp_path):
         load_hf_checkpoint(quant)
 
 
-# Qwen/Qwen3-4B, -8B and -14B as their model cards give them: (parameters, non-embedding parameters)
-REAL_SIZES = {"Qwen3-4B": (4.0e9, 3.6e9), "Qwen3-8B": (8.2e9, 6.95e9), "Qwen3-14B": (14.8e9, 13.2e9)}
+# Qwen/Qwen3-4B, -8B, -14B and -32B as their model cards give them: (parameters, non-embedding parameters)
+REAL_SIZES = {"Qwen3-4B": (4.0e9, 3.6e9), "Qwen3-8B": (8.2e9, 6.95e9), "Qwen3-14B": (14.8e9, 13.2e9),
+              "Qwen3-32B": (32.8e9, 31.2e9)}
 
 
 @pytest.mark.parametrize("shape", list(REAL_SIZES))

@@ -125,3 +125,38 @@ def test_more_tokens_or_no_checkpointing_never_need_less():
     on = mp.estimate(a, base, 80 * GIB, max_seq_len=200)
     off = mp.estimate(a, dataclasses.replace(base, activation_checkpointing=0), 80 * GIB, max_seq_len=200)
     assert off.parts["activations"] > on.parts["activations"]
+
+
+def _lora32(**kw):
+    from torchtitan_compat.lora import LoRASpec, parse_targets
+
+    cfg = TrainConfig(lora_rank=32, max_new_tokens=1024, **kw)
+    return cfg, dict(max_seq_len=1100, logits_chunk_elements=1 << 27, lora=LoRASpec(32, 32.0, parse_targets("")))
+
+
+def test_qwen3_32b_lora_per_gpu_plan():
+    """Qwen3-32B LoRA on several ranks: every GPU holds the engine's whole bf16 model (61 GiB) and trains on it.
+    On a 139 GiB H200 it fits with a larger engine share; on an 80 GB card only with most of the card for the
+    engine and small micro-batches (one line says both, and both together fit); on 48 GB no share can."""
+    a = args_of("Qwen3-32B")
+    cfg, kw = _lora32(gpu_memory_utilization=0.6)
+    assert mp.check(a, cfg, int(139.8 * GIB), **kw).fits
+    cfg, kw = _lora32()
+    with pytest.raises(UserError) as e:
+        mp.check(a, cfg, int(79.2 * GIB), "cuda:0 (H100)", **kw)
+    msg = str(e.value)
+    got = re.search(r"bf16 weights are 61\.0 GiB .* raise it to at least (0\.\d+) and lower --max-tokens-per-microbatch "
+                    r"to (\d+) \(now 16384\)$", msg)
+    assert got and e.value.exit_code == EXIT_MEMORY, msg
+    fixed = dataclasses.replace(cfg, gpu_memory_utilization=float(got[1]), max_tokens_per_microbatch=int(got[2]))
+    assert mp.check(a, fixed, int(79.2 * GIB), **kw).fits
+    with pytest.raises(UserError, match=r"the rollout engine's bf16 weights alone are 61\.0 GiB on every GPU.*use GPUs "
+                                        r"with at least \d+ GiB, or a smaller model \(tensor-parallel engines"):
+        mp.check(a, cfg, 48 * GIB, "cuda:0 (L40S)", **kw)
+
+
+def test_the_engine_share_holds_one_max_model_len_sequence_of_kv():
+    a = args_of("Qwen3-8B")
+    assert mp.kv_bytes_per_token(a) == 2 * 2 * 36 * 8 * 128  # K and V, bf16, every layer
+    assert mp.min_kv_bytes(a, TrainConfig(max_model_len=32768)) == 32768 * mp.kv_bytes_per_token(a)
+    assert mp.min_kv_bytes(args_of("tiny"), TrainConfig(max_model_len=64)) == mp.MIN_VLLM_KV_BYTES

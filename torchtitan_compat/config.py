@@ -28,7 +28,7 @@ from transformers import Qwen3Config
 QWEN3_VOCAB_SIZE = 151936
 """Rows of Qwen3's embedding (the tokenizer uses 151669 of them; the rest is padding)."""
 
-# Real Qwen3 config.json values (Qwen/Qwen3-0.6B, -1.7B, -4B, -8B, -14B) plus a tiny test shape that
+# Real Qwen3 config.json values (Qwen/Qwen3-0.6B, -1.7B, -4B, -8B, -14B, -32B: 32.8B parameters, as its model card says) plus a tiny test shape that
 # keeps the real vocabulary (so the real tokenizer's ids are valid) and Qwen3's head_dim of 128:
 # with head_dim 64, vLLM's FA3 gave a decode row that differs from the same row computed in a
 # prefill (measured on an H200), i.e. vLLM would not even agree with itself.
@@ -61,6 +61,10 @@ SHAPES: dict[str, dict] = {
     ),
     "Qwen3-14B": dict(
         hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
+    "Qwen3-32B": dict(
+        hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
         num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
     ),
 }

@@ -29,7 +29,9 @@ the base: adapters 4 n + their grads 4 n + AdamW 8 n (+ 8 n of initial adapters 
 the trainer computes with the engine's weights (inside vLLM's share; the native engine: its own
 c P); the frozen base of the adapted projections on the GPU only with --lora-base gpu (c x their
 parameters; host memory otherwise); a merge's temporaries (two float32 copies of the largest
-adapted block and its base). vLLM's share must hold the weights plus MIN_VLLM_KV_BYTES.
+adapted block and its base). vLLM's share must hold the weights plus the KV cache of one sequence of
+max_model_len tokens (`min_kv_bytes`); a GPU on which no share leaves the trainer enough is refused
+in one line (tensor-parallel engines are not supported yet: every GPU holds the whole bf16 model).
 Sharded over W ranks (torchrun, FSDP2; per GPU): masters, AdamW state, fp32 gradients and the
 reference are divided by W; the compute-dtype weights (and their gradients) that exist whole are
 those of the embedding/head plus two decoder layers (the one computing and the one prefetched),
@@ -194,7 +196,7 @@ def _suggestions(args, cfg, gpu_total: int, **kw) -> list[str]:
     if cfg.engine == "vllm":
         if hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep and not lora and fits(vllm_sleep=1):
             out.append("set --vllm-sleep 1")
-        floor = (vllm_weight_bytes(args, kw.get("lora")) + MIN_VLLM_KV_BYTES + OVERHEAD_BYTES) / gpu_total
+        floor = (vllm_weight_bytes(args, kw.get("lora")) + min_kv_bytes(args, cfg) + OVERHEAD_BYTES) / gpu_total
         util = round(cfg.gpu_memory_utilization - 0.05, 2)
         while util >= max(floor, 0.05):
             if fits(gpu_memory_utilization=util):
@@ -206,6 +208,43 @@ def _suggestions(args, cfg, gpu_total: int, **kw) -> list[str]:
     return out
 
 
+def kv_bytes_per_token(args) -> int:
+    """vLLM's bf16 KV cache per token: keys and values of every layer."""
+    return 2 * 2 * args.n_layers * args.n_kv_heads * args.head_dim
+
+
+def min_kv_bytes(args, cfg) -> int:
+    """The least KV cache vLLM starts with: one sequence of max_model_len tokens (vLLM refuses less), and
+    at least MIN_VLLM_KV_BYTES."""
+    return max(MIN_VLLM_KV_BYTES, kv_bytes_per_token(args) * getattr(cfg, "max_model_len", 4096))
+
+
+def _refuse_if_no_share_fits(args, cfg, gpu_total: int, gpu_name: str, weights: int, kv: int, least: float,
+                             **kw) -> None:
+    """One line when no engine share works on this GPU: the engine (one whole bf16 copy of the weights per
+    GPU: tensor-parallel engines are not supported yet) plus the least the trainer needs beside it, with
+    every memory flag at its cheapest, exceed the GPU."""
+    from .errors import EXIT_MEMORY, UserError
+
+    cheapest = dict(activation_checkpointing=1, max_tokens_per_microbatch=256, gpu_memory_utilization=least)
+    lora = kw.get("lora") is not None
+    if lora:
+        cheapest["lora_base"] = "host"
+    elif hasattr(cfg, "vllm_sleep"):
+        cheapest.update(vllm_sleep=1, kl_coef=0.0)
+    best = estimate(args, replace(cfg, **cheapest), gpu_total, **kw)
+    if (least < 1 and best.fits) or best.total - best.parts["vLLM"] > gpu_total:
+        return  # fits, or the trainer alone does not: `check` says so
+    need = max(best.total, weights + kv + OVERHEAD_BYTES)
+    shards = kw.get("shards") or 0
+    more = "" if lora or shards else ", more GPUs (torchrun shards the trainer's state)"
+    raise UserError(f"the rollout engine's bf16 weights alone are {weights / GIB:.1f} GiB on every GPU, and with them "
+                    f"the run needs at least {need / GIB:.1f} GiB per GPU ({best.summary()}) but {gpu_name} has "
+                    f"{gpu_total / GIB:.1f} GiB: use GPUs with at least {math.ceil(need / GIB)} GiB{more}, or a "
+                    "smaller model (tensor-parallel engines, which split the weights over GPUs, are not supported "
+                    "yet)", EXIT_MEMORY)
+
+
 def check(args, cfg, gpu_total_bytes: int, gpu_name: str = "the GPU", **kw) -> MemoryEstimate:
     """The estimate, or a one-line UserError (exit 5) naming the flag to change if it does not fit."""
     from .errors import EXIT_MEMORY, UserError
@@ -213,11 +252,22 @@ def check(args, cfg, gpu_total_bytes: int, gpu_name: str = "the GPU", **kw) -> M
     est = estimate(args, cfg, gpu_total_bytes, **kw)
     if cfg.engine == "vllm":
         share, need = cfg.gpu_memory_utilization * gpu_total_bytes, vllm_weight_bytes(args, kw.get("lora"))
-        if share < need + MIN_VLLM_KV_BYTES:
-            least = (need + MIN_VLLM_KV_BYTES + OVERHEAD_BYTES) / gpu_total_bytes
+        kv = min_kv_bytes(args, cfg)
+        least = math.ceil((need + kv + OVERHEAD_BYTES) / gpu_total_bytes * 100) / 100
+        _refuse_if_no_share_fits(args, cfg, gpu_total_bytes, gpu_name, need, kv, least, **kw)
+        if share < need + kv:
+            fix = f"raise it to at least {least:.2f}"
+            raised = replace(cfg, gpu_memory_utilization=least)
+            budget = cfg.max_tokens_per_microbatch
+            while budget > 256 and not estimate(args, replace(raised, max_tokens_per_microbatch=budget),
+                                                gpu_total_bytes, **kw).fits:
+                budget //= 2
+            if budget != cfg.max_tokens_per_microbatch:
+                fix += f" and lower --max-tokens-per-microbatch to {budget} (now {cfg.max_tokens_per_microbatch})"
             raise UserError(f"--gpu-memory-utilization {cfg.gpu_memory_utilization} gives vLLM {share / GIB:.1f} GiB "
-                            f"of {gpu_name}, but its bf16 weights alone are {need / GIB:.1f} GiB: raise it to at least "
-                            f"{math.ceil(least * 100) / 100:.2f}", EXIT_MEMORY)
+                            f"of {gpu_name}, but its bf16 weights are {need / GIB:.1f} GiB and a sequence of "
+                            f"--max-model-len {cfg.max_model_len} tokens needs {kv / GIB:.1f} GiB of KV cache: {fix}",
+                            EXIT_MEMORY)
     if est.fits:
         return est
     head = (f"the run needs about {est.total / GIB:.1f} GiB of GPU memory but {gpu_name} has "

@@ -85,8 +85,12 @@ def timed(times: dict, key: str):
     times[key] = times.get(key, 0.0) + time.perf_counter() - t0
 
 
-def phase_metrics(times: dict) -> dict[str, float]:
-    """time/<phase> seconds and memory/peak_gib/<phase> from what `timed` collected."""
+def phase_metrics(times: dict, world: World | None = None) -> dict[str, float]:
+    """time/<phase> seconds and memory/peak_gib/<phase> from what `timed` collected; on several ranks
+    (collective) the peak is the busiest GPU's, the times this rank's."""
+    if world is not None and world.sharded:
+        peaks = world.gather({k: v for k, v in times.items() if k.startswith("peak:")})
+        times = {**times, **{k: max(p.get(k, 0.0) for p in peaks) for k in peaks[0]}}
     out = {}
     for k, v in times.items():
         out[f"memory/peak_gib/{k[5:]}" if k.startswith("peak:") else f"time/{k}"] = v
@@ -269,7 +273,7 @@ def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, spec: Po
             log.warning("step %d: every group has equal rewards, so every advantage is 0: no update this step", step)
         out["skipped_update"] = 1.0
         times["step"] = time.perf_counter() - start
-        return {**out, **phase_metrics(times)}
+        return {**out, **phase_metrics(times, world)}
     per = len(samples) // cfg.updates_per_batch
     agg: dict[str, float] = {}
     for u in range(cfg.updates_per_batch):
@@ -283,4 +287,4 @@ def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, spec: Po
     out.update(agg)
     out["skipped_update"] = 0.0
     times["step"] = time.perf_counter() - start
-    return {**out, **phase_metrics(times)}
+    return {**out, **phase_metrics(times, world)}
