@@ -77,7 +77,7 @@ def _torchrun(ranks: int, log_dir: Path, nodes: int = 1, port: int = 0, rdzv: st
     head = [sys.executable, "-m", "torch.distributed.run", f"--log-dir={log_dir}", "--redirects=3"]
     if nodes == 1:
         return head + ["--standalone", f"--nproc-per-node={ranks}"]
-    return head + [f"--nnodes={nodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+    return head + [f"--nnodes={nodes}", f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv}"]
 
 
@@ -102,18 +102,22 @@ def run(args, name: str, ranks: int, model: str, extra: list[str], gpus: str | N
 
 
 def run_nodes(args, name: str, model: str, extra: list[str]) -> dict[int, dict]:
-    """--ranks nodes x 1 rank: one torchrun agent per GPU meeting at a c10d rendezvous on this host."""
+    """--nodes nodes x (--ranks / --nodes) ranks: one torchrun agent per node, each with its own GPUs, meeting at
+    a c10d rendezvous on this host."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = _argv(args, name, model, extra)
+    nodes = args.nodes or args.ranks
+    per = args.ranks // nodes
     procs = []
-    for node in range(args.ranks):
-        cmd = _torchrun(1, args.out / "ranks" / f"{name}_node{node}", args.ranks, port, name) + argv
+    for node in range(nodes):
+        cmd = _torchrun(per, args.out / "ranks" / f"{name}_node{node}", nodes, port, name) + argv
         log = open(args.out / f"{name}_node{node}.log", "w")
+        gpus = ",".join(str(node * per + i) for i in range(per))
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                       env=_env(args, str(node) if args.engine == "vllm" else None)), log))
-    print(f"[{name}] {args.ranks} torchrun agents, rendezvous 127.0.0.1:{port}", flush=True)
+                                       env=_env(args, gpus if args.engine == "vllm" else None)), log))
+    print(f"[{name}] {nodes} torchrun agents x {per} rank(s), rendezvous 127.0.0.1:{port}", flush=True)
     rcs = [p.wait() for p, _ in procs]
     if any(rcs):
         raise RunFailed(f"run {name} exited with {rcs}; see {args.out}/{name}_node*.log")
@@ -174,10 +178,13 @@ def check_samples(args, res: dict) -> bool:
     return same and parity and len(many) == 3
 
 
-def check_repeat(args, res: dict) -> bool:
+def _ensure_many(args, res: dict) -> None:
     if "many" not in res:
-        print("  repeat: needs samples (its `many` run)")
-        return False
+        res["many"] = run(args, "many", args.ranks, args.model, _common(args))
+
+
+def check_repeat(args, res: dict) -> bool:
+    _ensure_many(args, res)
     again = run(args, "again", args.ranks, args.model, _common(args))
     same = [_scalars(res["many"][s]) == _scalars(again[s]) for s in (1, 2, 3)]
     files = [checkpoint_shas(args, "many", s) == checkpoint_shas(args, "again", s) for s in (2, 3)]
@@ -236,7 +243,7 @@ def check_faults(args, res: dict) -> bool:
     for f in (args.out / "ranks" / name).rglob("stderr.log"):
         rank = int(f.parent.name)
         if rank != victim:
-            lines[rank] = [x for x in f.read_text().splitlines() if x.strip()]
+            lines[rank] = [x for x in f.read_text().splitlines() if x.startswith("error: ")]  # vLLM's progress bars aside
     named = all(len(ls) == 1 and f"rank {victim} " in ls[0] for ls in lines.values())
     step2 = (args.out / "ck" / name / "step_000002")
     intact = latest.read_text().strip() == "step_000002" and (step2 / "state.json").is_file()
@@ -249,17 +256,18 @@ def check_faults(args, res: dict) -> bool:
 
 
 def check_resume(args, res: dict) -> bool:
-    if "one" not in res:
-        print("  resume: needs samples (its `one` and `many` runs)")
-        return False
+    _ensure_many(args, res)
     origin = "killed" if res.get("killed") else "many"
-    ok = True
-    n_to_1 = run(args, "resume_n_to_1", 0, args.model, _common(args) + [
-        "--resume", str(args.out / "ck" / origin / "step_000002")], gpus="0")
-    same = _same_samples(n_to_1[3], res["many"][3])
-    print(f"  resume {args.ranks} -> 1: step 3 after resuming {origin}'s step 2 samples what `many` sampled: {same}; "
-          f"parity 0: {_parity_ok(n_to_1[3], 1)}")
-    ok &= same and _parity_ok(n_to_1[3], 1)
+    to = args.resume_to
+    n_to_m = run(args, f"resume_n_to_{to}", 0 if to == 1 else to, args.model, _common(args) + [
+        "--resume", str(args.out / "ck" / origin / "step_000002")], gpus="0" if to == 1 else None)
+    same = _same_samples(n_to_m[3], res["many"][3])
+    print(f"  resume {args.ranks} -> {to}: step 3 after resuming {origin}'s step 2 samples what `many` sampled: {same}; "
+          f"parity 0: {_parity_ok(n_to_m[3], to)}")
+    ok = same and _parity_ok(n_to_m[3], to)
+    if "one" not in res:
+        print("  resume 1 -> N: not run (no `one`: run samples first)")
+        return ok
     one_to_n = run(args, "resume_1_to_n", args.ranks, args.model, _common(args) + [
         "--resume", str(args.out / "ck" / "one" / "step_000002")])
     same = _same_samples(one_to_n[3], res["one"][3])
@@ -269,13 +277,11 @@ def check_resume(args, res: dict) -> bool:
 
 
 def check_nodes(args, res: dict) -> bool:
-    if "many" not in res:
-        print("  nodes: needs samples (its `many` run)")
-        return False
+    _ensure_many(args, res)
     nodes = run_nodes(args, "nodes", args.model, _common(args))
     same = [_scalars(res["many"][s]) == _scalars(nodes[s]) for s in (1, 2, 3)]
     files = [checkpoint_shas(args, "many", s) == checkpoint_shas(args, "nodes", s) for s in (2, 3)]
-    print(f"  nodes: {args.ranks} nodes x 1 GPU against 1 node x {args.ranks}: scalars identical at steps 1-3: {same}; "
+    print(f"  nodes: {args.nodes or args.ranks} nodes against 1 node x {args.ranks}: scalars identical at steps 1-3: {same}; "
           f"every file of the step 2 and 3 checkpoints identical: {files}")
     return all(same) and all(files)
 
@@ -377,6 +383,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="samples,repeat,faults,resume,nodes",
                    help=f"comma-separated checks, run in this order: {','.join(CHECKS)}")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=0, help="nodes of the nodes check (0: --ranks nodes of 1 GPU)")
+    p.add_argument("--resume-to", type=int, default=1, help="ranks the resume check resumes --ranks' checkpoint on")
     p.add_argument("--model", default="random:Qwen3-1.7B", help="model of every check but big")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank of every check but big (0: full fine-tuning)")
     p.add_argument("--lr", type=float, default=1e-5, help="learning rate of the correctness checks")
