@@ -160,3 +160,26 @@ def test_the_engine_share_holds_one_max_model_len_sequence_of_kv():
     assert mp.kv_bytes_per_token(a) == 2 * 2 * 36 * 8 * 128  # K and V, bf16, every layer
     assert mp.min_kv_bytes(a, TrainConfig(max_model_len=32768)) == 32768 * mp.kv_bytes_per_token(a)
     assert mp.min_kv_bytes(args_of("tiny"), TrainConfig(max_model_len=64)) == mp.MIN_VLLM_KV_BYTES
+
+
+def test_host_memory_plan_counts_every_rank_of_the_host():
+    """Qwen3-32B LoRA on the 2 ranks of a 251 GiB host: two pinned frozen bases (58 GiB each) and one rank
+    reading the checkpoint at a time (spirl.core.lora takes turns) fit; four ranks do not, and the one line
+    names --lora-base gpu. 8B full fine-tuning: 4 FSDP ranks read the fp32 model at once."""
+    from torchtitan_compat.lora import LoRASpec, parse_targets
+
+    a = args_of("Qwen3-32B")
+    lora = LoRASpec(32, 32.0, parse_targets(""))
+    cfg = TrainConfig(lora_rank=32)
+    two = mp.check_host(a, cfg, 251 * GIB, local_ranks=2, lora=lora)
+    adapted = sum(n for k, n in mp.host_estimate(a, cfg, 1, lora).parts.items() if k == "pinned frozen base")
+    assert two.parts["pinned frozen base"] == 2 * adapted and 57 * GIB < adapted < 59 * GIB
+    assert two.parts["reading the checkpoint"] == 2 * 2 * mp.param_count(a)
+    with pytest.raises(UserError, match=r"^4 ranks of this host need about [\d.]+ GiB of host memory at the peak .* "
+                                        r"this host has 251\.0 GiB: set --lora-base gpu"):
+        mp.check_host(a, cfg, 251 * GIB, local_ranks=4, lora=lora)
+    assert mp.host_estimate(a, dataclasses.replace(cfg, lora_base="gpu"), 4, lora).parts["pinned frozen base"] == 0
+    p8 = mp.param_count(args_of("Qwen3-8B"))
+    full = mp.host_estimate(args_of("Qwen3-8B"), TrainConfig(), local_ranks=4, shards=4)
+    assert full.parts["reading the checkpoint"] == 4 * 8 * p8  # bf16 file + fused layout + fp32 model, per rank
+    assert mp.host_estimate(args_of("Qwen3-8B"), TrainConfig()).parts["reading the checkpoint"] == 12 * p8  # a gather

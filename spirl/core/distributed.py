@@ -205,6 +205,22 @@ def shard_of(items: list, world: World) -> list:
     return items[world.rank * n:(world.rank + 1) * n]
 
 
+def one_local_rank_at_a_time(world: World, fn):
+    """Collective: `fn()` run by the ranks of each host one after another (by local rank), every rank
+    waiting at a barrier between turns; returns this rank's result. For work whose host memory peaks
+    (reading a checkpoint): N ranks of a host then need one peak, not N at once. `fn` must not be
+    collective itself."""
+    if not world.sharded:
+        return fn()
+    turns = int(world.all_max(float(os.environ.get("LOCAL_WORLD_SIZE", world.size))))
+    out = None
+    for turn in range(turns):
+        if world.local_rank == turn:
+            out = fn()
+        world.barrier()
+    return out
+
+
 def gathered_weight_groups(model: torch.nn.Module, dtype: torch.dtype):
     """Collective: the model's weights cast to `dtype` and gathered whole, one group at a time (the
     embedding, each decoder layer, the rest), as {name: tensor} dicts. Casting the local shard

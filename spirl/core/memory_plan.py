@@ -297,3 +297,50 @@ def check(args, cfg, gpu_total_bytes: int, gpu_name: str = "the GPU", **kw) -> M
     alternative = "" if lora else ", or train LoRA (--lora-rank)"
     raise UserError(f"{head}: the weights and optimizer state alone do not fit; use a GPU with more memory or a "
                     f"smaller model{alternative}", EXIT_MEMORY)
+
+
+# -- host memory ------------------------------------------------------------------------------------------
+
+
+def host_estimate(args, cfg, local_ranks: int = 1, lora=None, shards: int = 0) -> MemoryEstimate:
+    """The peak host (CPU) memory of one host, its `local_ranks` ranks together; `gpu_total` of the result is
+    0 (the caller compares with the host's memory). P = parameters, c = bytes of the checkpoint's dtype (2):
+        LoRA: every rank pins the frozen base of its adapted weights (c x those parameters; none with
+        --lora-base gpu), and one rank at a time reads the checkpoint (spirl.core.lora: the file's tensors and
+        the fused layout, 2 c P);
+        full fine-tuning, FSDP2 (`shards`): every rank reads the checkpoint at once into an fp32 model on its
+        CPU before sharding it (2 c P + 4 P each); one process: 2 c P;
+        checkpoints: rank 0 gathers what it writes, fp32 masters and AdamW state (12 P; LoRA: 16 B per adapter
+        parameter), while the others wait.
+    Plus 2 GiB per rank for the Python process, torch and vLLM themselves."""
+    p, c = param_count(args), 2
+    parts = {"processes": local_ranks * 2 * GIB}
+    if lora is not None:
+        from torchtitan_compat.lora import lora_param_count
+
+        pinned = _lora_parts(args, replace(cfg, lora_base="gpu"), lora, c)["frozen base"] \
+            if cfg.lora_base == "host" else 0
+        parts["pinned frozen base"] = local_ranks * pinned
+        parts["reading the checkpoint"] = max(2 * c * p, 16 * lora_param_count(lora, args))
+    else:
+        load = local_ranks * (2 * c * p + 4 * p) if shards else 2 * c * p
+        parts["reading the checkpoint"] = max(load, 12 * p)
+    return MemoryEstimate(parts, 0, 0)
+
+
+def check_host(args, cfg, host_total_bytes: int, local_ranks: int = 1, lora=None, shards: int = 0) -> MemoryEstimate:
+    """`host_estimate`, or a one-line UserError (exit 5) when it exceeds the host's memory."""
+    from .errors import EXIT_MEMORY, UserError
+
+    est = host_estimate(args, cfg, local_ranks, lora, shards)
+    if est.total <= host_total_bytes:
+        return est
+    who = f"{local_ranks} ranks of this host" if local_ranks > 1 else "the run"
+    if lora is not None and cfg.lora_base == "host":
+        fix = "set --lora-base gpu (the frozen base on the GPUs instead), run fewer ranks per host, or use a host " \
+              "with more memory"
+    else:
+        fix = "run fewer ranks per host or use a host with more memory"
+    raise UserError(f"{who} need about {est.total / GIB:.1f} GiB of host memory at the peak ({est.summary()}) but "
+                    f"this host has {host_total_bytes / GIB:.1f} GiB: {fix}", EXIT_MEMORY)
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -292,3 +293,21 @@ def check_memory(cfg: TrainConfig, model_args, device: torch.device, max_seq_len
                             lora=lora)
     log.info("memory plan: about %.1f of %.1f GiB (%s)", est.total / memory_plan.GIB,
              props.total_memory / memory_plan.GIB, est.summary())
+    host = host_memory_bytes()
+    if host:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        est = memory_plan.check_host(model_args, cfg, host, local, lora, shards)
+        log.info("host memory plan: about %.1f of %.1f GiB at the peak, %d rank(s) of this host (%s)",
+                 est.total / memory_plan.GIB, host / memory_plan.GIB, local, est.summary())
+
+
+def host_memory_bytes() -> int | None:
+    """The host's memory (MemTotal of /proc/meminfo); None where that file does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
