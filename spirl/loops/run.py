@@ -42,6 +42,7 @@ from ..core.config import TrainConfig, checkpoint_dict, to_dict
 from ..core.distributed import World, check_distributed_config, check_distributed_task, init_world, launched_by_torchrun
 from ..core.errors import UserError
 from .evaluation import evaluate, require_eval_set
+from .rollout import DataCursor, PromptSource, ordered
 from ..core.metrics import MetricsLogger
 from ..core.preflight import (
     LengthCheckedEngine,
@@ -65,13 +66,16 @@ _NATIVE = "; on a machine without vLLM/CUDA use --engine native --dtype float32"
 
 
 def save_checkpoint(cfg: TrainConfig, policy: Policy, spec: PolicySpec, step: int, model_dir: Path,
-                    reference: dict | None = None) -> Path | None:
+                    reference: dict | None = None, data_position: int | None = None) -> Path | None:
     """Collective when sharded: every rank gathers, rank 0 writes the one-GPU format (so the run
-    resumes on any number of GPUs), and a failed write fails every rank."""
+    resumes on any number of GPUs), and a failed write fails every rank. `data_position`: where a
+    dataset's order continues (spirl.loops.rollout.DataCursor), for the tasks read in order."""
     world = policy.world
     state = {"config": checkpoint_dict(cfg), "model_dir": str(model_dir), "world_size": world.size}
     if reference is not None:
         state["reference"] = reference
+    if data_position is not None:
+        state["data_position"] = data_position
     masters = {name: world.full_cpu(p) for name, p in policy.masters.items()}
     opt = ckpt.optimizer_tensors(policy.optimizer, world.full_cpu)
     adapter = None
@@ -182,6 +186,9 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     if cfg.top_k != -1 or cfg.top_p != 1.0:
         log.warning("--top-k/--top-p truncate the sampling distribution, but the trainer's logprobs are of the raw "
                     "logits (--logprobs raw): the trained policy is not the one that sampled (off-policy)")
+    if cfg.importance_sampling_level == "sequence" and cfg.loss_type != "grpo":
+        log.warning("--importance-sampling-level sequence with --loss-type %s sums per-token losses of a per-sequence "
+                    "ratio; GSPO's paper (and TRL's advice) pairs it with --loss-type grpo", cfg.loss_type)
     run_dir = Path(cfg.out_dir) / cfg.run_name
     require_writable_dir(run_dir, "--out-dir")
     require_writable_dir(Path(cfg.checkpoint_dir) / cfg.run_name, "--checkpoint-dir")
@@ -205,13 +212,22 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
         from ..core.lora import resolve_spec
 
         lora = resolve_spec(cfg, model_args, model_dir, reference["fingerprint"])
+    resumed = None
     if cfg.resume:
-        check_resume(cfg.resume, model_args, reference, None if lora is None else lora.spec)
+        resumed = check_resume(cfg.resume, model_args, reference, None if lora is None else lora.spec)
     if cfg.engine == "vllm":
         require_cuda("--engine vllm", _NATIVE)
     device = world.device if world is not None else resolve_device(cfg.device)
     world = world or World(device=device)
-    task = get_task(cfg.task, load_checked_tokenizer(model_dir))
+    tokenizer = load_checked_tokenizer(model_dir)
+    if cfg.dataset:
+        from ..tasks import dataset
+
+        task = dataset.make(tokenizer, cfg)
+    else:
+        task = get_task(cfg.task, tokenizer, cfg)
+    cursor = DataCursor(_data_position(resumed, task))
+    prompt_source = PromptSource(task, cfg.seed, cursor)
     require_eval_set(task, cfg)
     check_distributed_task(task, cfg, world)
     limit, source = engine_max_model_len(cfg, model_args)
@@ -232,17 +248,18 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     history = []
     try:
         if cfg.eval_every and start == 0:  # the baseline: one eval before the first step
-            logger.log_step(0, evaluate(engine, task, cfg, world), cfg.steps)
+            logger.log_step(0, evaluate(engine, task, cfg, world, step=0), cfg.steps)
         for step in range(start + 1, cfg.steps + 1):
             progress["step"] = step
-            scalars = trainer.run_step(step, cfg, task, engine, policy, spec, device, run_dir)
+            scalars = trainer.run_step(step, cfg, task, engine, policy, spec, device, run_dir, prompt_source)
             if cfg.eval_every and step % cfg.eval_every == 0:
-                scalars.update(evaluate(engine, task, cfg, world))
+                scalars.update(evaluate(engine, task, cfg, world, step=step))
             with signals.deferred():  # a step's log line and its checkpoint are written whole
                 logger.log_step(step, scalars, cfg.steps)
                 history.append(scalars)
                 if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                    save_checkpoint(cfg, policy, spec, step, model_dir, reference)
+                    save_checkpoint(cfg, policy, spec, step, model_dir, reference,
+                                    cursor.position if ordered(task) else None)
                 progress["done"] = step
     finally:
         logger.close()
@@ -254,6 +271,19 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return history
+
+
+def _data_position(resumed, task) -> int:
+    """Where a task read in order (a dataset, reasoning-gym) continues: the resumed checkpoint's position,
+    else 0."""
+    if resumed is None or not ordered(task):
+        return 0
+    position = resumed.state.get("data_position")
+    if not isinstance(position, int) or position < 0:
+        raise ckpt.CheckpointError(f"--resume {resumed.path} records no data position (it was written by a run "
+                                   "that did not read a dataset in order), so this run cannot continue its data "
+                                   "order; resume a checkpoint of this --dataset / --task run")
+    return position
 
 
 class _NoLogger:

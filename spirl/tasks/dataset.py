@@ -8,8 +8,9 @@ a list of chat messages (rendered by the tokenizer's chat template with the gene
 trained on. Every other column goes to the reward functions (spirl.tasks.rewards), one value per sample.
 
 Order (`DataOrder`): epochs, each a seeded shuffle of every row; position p is row perm_e[p % n] with
-e = p // n and perm_e = the shuffle of 0..n-1 by random.Random(f"spirl-data-order:{seed}:{e}") (seed = --seed). The run keeps the position and writes
-it into every checkpoint, so --resume continues the same order (spirl.loops.rollout).
+e = p // n and perm_e = the shuffle of 0..n-1 by random.Random(f"spirl-data-order:{seed}:{e}"), seed =
+--seed. The run keeps the position and writes it into every checkpoint, so --resume continues the same
+order (spirl.loops.rollout).
 """
 
 from __future__ import annotations
