@@ -74,6 +74,7 @@ def test_rewards_get_the_columns_and_trls_completions(tmp_path, tok):
     assert s.rewards.tolist() == [1.0, 0.0] and s.names == ["first"]
     seen = task.rewards.functions[0].fn.__globals__["SEEN"][-1]
     assert seen == (["What is 2+2?"] * 2, ["hello", " world"], [c1, c2], ["x", "z"], [0, 7])
+    assert task.reward(c2, task.prompt_at(0)[1]) == 1.0  # the per-sample protocol: a batch of one
     chat = make(tok, _cfg(_write_jsonl(tmp_path / "c.jsonl", [ROWS[1]]), reward))
     chat.score_batch([c1], [chat.prompt_at(0)[1]])
     assert task.rewards.functions[0].fn.__globals__["SEEN"][-1][1] == [[{"role": "assistant", "content": "hello"}]]

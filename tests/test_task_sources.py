@@ -36,6 +36,7 @@ def test_reasoning_gym_task_is_its_dataset_its_format_and_its_scorer(tok):
     s = task.score_batch([tok(text=c)["input_ids"] for c in completions], [meta] * 4)
     expected = [theirs.score_answer(a, theirs[4]) for a in (answer, "0", None, None)]
     assert s.rewards.tolist() == expected == [1.0, 0.0, 0.0, 0.0] and s.names == ["leg_counting"]
+    assert task.reward(tok(text=completions[0])["input_ids"], meta) == 1.0  # the per-sample protocol too
 
 
 def test_several_reasoning_gym_tasks_score_in_their_own_columns(tok):

@@ -204,6 +204,11 @@ class DatasetTask:
                            else f"step {step}, sample {i} ({metas[i]['source']} row {metas[i]['row']})")
         return self.rewards(prompts, completions, [list(c) for c in completion_ids], columns, state, where)
 
+    def reward(self, completion_ids: list[int], meta: Meta) -> float:
+        """One completion's reward, the reward functions called on a batch of one (the Task protocol's
+        per-sample reward; NaN when no function applies)."""
+        return float(self.score_batch([completion_ids], [meta]).rewards[0])
+
     def eval_problems(self) -> list[tuple[list[int], Meta]]:
         """--eval-dataset's rows in file order, tokenized once."""
         if self._eval is None:

@@ -117,6 +117,10 @@ class ReasoningGymTask:
         rewards[torch.isnan(per_func).all(dim=1)] = float("nan")
         return Scored(rewards, per_func, list(self.names))
 
+    def reward(self, completion_ids: list[int], meta: Meta) -> float:
+        """One completion's score (the Task protocol's per-sample reward; batches go through score_batch)."""
+        return float(self.score_batch([completion_ids], [meta]).rewards[0])
+
     def eval_problems(self) -> list[tuple[list[int], Meta]]:
         """EVAL_SIZE problems after the training set's (module docstring), tokenized once."""
         if self._eval is None:
