@@ -185,6 +185,7 @@ def test_parquet_dataset_with_two_weighted_rewards(tiny_ckpt, files):
     cfg = _cfg(tiny_ckpt, files, "parquet", dataset=str(files / "data.parquet"), steps=2, checkpoint_every=0,
                reward=(f"{files / 'my_rewards.py'}:by_mode", f"{files / 'my_rewards.py'}:length_bonus"),
                reward_weights="1,0.5", loss_type="dr_grpo", mask_truncated_completions=1, scale_rewards="batch",
+               entropy_coef=0.01,
                eval_dataset=str(files / "data.jsonl"), eval_every=2)
     with reward_log(files / "parquet.log"):
         hist = train(cfg)
@@ -205,8 +206,10 @@ def test_parquet_dataset_with_two_weighted_rewards(tiny_ckpt, files):
         assert m["reward/by_mode"] == pytest.approx(sum(a) / len(a), abs=1e-7)
         assert m["reward/length_bonus"] == pytest.approx(sum(b) / len(b), abs=1e-7)
         assert m["reward_mean"] == pytest.approx(sum(x + 0.5 * y for x, y in zip(a, b)) / len(a), abs=1e-6)
-        if m["completion_len_mean"] == 4 and m["skipped_update"] == 0:  # every completion truncated: no loss
-            assert m["loss"] == 0.0 and m["pg_loss"] == 0.0
+        # both steps draw a `vary` row (an update), and the random model never stops before 4 tokens: every
+        # completion is truncated, so masked, and the loss is exactly 0 (its entropy term included)
+        assert m["skipped_update"] == 0.0 and m["completion_len_mean"] == 4
+        assert m["loss"] == 0.0 and m["pg_loss"] == 0.0
 
 
 def test_reasoning_gym_task_runs_with_parity(tiny_ckpt, files):
