@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -68,17 +67,18 @@ class TaskGroup(EnvGroupBuilder):
 
 
 class TaskDataset(RLDataset):
-    """Batch i: prompts_per_step problems drawn as simple_rl.py draws step i + 1's (spirl.loops.trainer.step_seed)."""
+    """Batch i: prompts_per_step problems drawn as simple_rl.py draws step i + 1's (spirl.loops.rollout.PromptSource)."""
 
     def __init__(self, task, batches: int, prompts_per_step: int, group_size: int, seed: int, stop):
         self.task, self.batches, self.n, self.g, self.seed, self.stop = task, batches, prompts_per_step, group_size, \
             seed, stop
 
     def get_batch(self, index: int):
-        from spirl.loops.trainer import step_seed
+        from spirl.loops.rollout import DataCursor, PromptSource
 
-        rng = random.Random(step_seed(self.seed, index + 1))
-        return [TaskGroup(self.task, ids, meta, self.g, self.stop) for ids, meta in self.task.prompts(rng, self.n)]
+        source = PromptSource(self.task, self.seed, DataCursor(index * self.n))  # a dataset's position at step i + 1
+        source.begin(index + 1)
+        return [TaskGroup(self.task, ids, meta, self.g, self.stop) for ids, meta in source.draw(self.n)]
 
     def __len__(self) -> int:
         return self.batches

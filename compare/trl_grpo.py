@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -32,12 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def dataset_rows(task, steps: int, prompts_per_step: int, seed: int) -> list[dict]:
-    """The prompts simple_rl.py draws for steps 1..steps (spirl.loops.trainer.step_seed), as TRL rows."""
-    from spirl.loops.trainer import step_seed
+    """The prompts simple_rl.py draws for steps 1..steps (spirl.loops.rollout.PromptSource), as TRL rows."""
+    from spirl.loops.rollout import DataCursor, PromptSource
 
-    rows = []
+    rows, source = [], PromptSource(task, seed, DataCursor())
     for step in range(1, steps + 1):
-        for ids, meta in task.prompts(random.Random(step_seed(seed, step)), prompts_per_step):
+        source.begin(step)
+        for ids, meta in source.draw(prompts_per_step):
             rows.append({"prompt": task.tokenizer.decode(ids), "meta": json.dumps(meta)})
     return rows
 

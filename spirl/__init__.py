@@ -11,8 +11,10 @@ module of the tree imports in a circle):
               build.py is its one entry) and what sets a run up around it: checkpoints, the memory plan,
               preflight checks, the config, errors, metrics; the episode loop of environments in token
               ids (multiturn, chat_format)
-    tasks/    prompts as token ids and verifiable rewards; the calculator tool and environment
-    loops/    GRPO (trainer: one step; run: simple_rl.py's run), evaluation, the supervised warm start
+    tasks/    prompts as token ids and verifiable rewards; the calculator tool and environment; datasets
+              (--dataset), reasoning-gym, TRL-signature reward functions, math-verify
+    loops/    GRPO (trainer: one step; rollout: its samples, parity, rewards, dynamic sampling; loss: the
+              loss menu; run: simple_rl.py's run), evaluation, the supervised warm start
     tinker/   the Tinker API (sample / forward_backward / optim_step) on the core
 
 loops/ and tinker/ are clients of the core and never import each other.

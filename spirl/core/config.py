@@ -18,6 +18,9 @@ from dataclasses import dataclass, fields
 from .spec import EngineSpec, LoRAInit, PolicySpec
 
 DTYPES = ("bfloat16", "float32")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo")
+IS_LEVELS = ("token", "sequence")
+REWARD_SCALES = ("group", "batch", "none")
 ENGINES = ("vllm", "native")
 LOGPROBS_MODES = ("sampling", "raw")
 
@@ -62,7 +65,36 @@ class TrainConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
     clip_eps: float = 0.2
-    """PPO ratio clip: ratios are clipped to [1 - eps, 1 + eps]."""
+    """PPO ratio clip: ratios are clipped to [1 - eps, 1 + eps] (TRL's epsilon; the upper bound: --clip-eps-high)."""
+    clip_eps_high: float = 0.0
+    """Upper clip of the ratio, 1 + clip_eps_high (DAPO's clip-higher: 0.28; TRL's epsilon_high); 0 = the
+    same as --clip-eps, as TRL does. With --loss-type cispo it is CISPO's eps_max, the bound of the
+    importance weight min(r, eps_max) itself (ScaleRL recommends 5.0), and must be given."""
+    loss_type: str = "grpo"
+    """How the per-token loss is aggregated (TRL's loss_type): grpo = each sequence's token mean, then the
+    mean over sequences; dr_grpo = the token sum / (sequences x --max-new-tokens) (Dr. GRPO); dapo = the token
+    mean over the mini-batch (DAPO); bnpo = the same here (TRL's is per device micro-batch); cispo = CISPO's
+    clipped-weight loss (MiniMax-M1), aggregated as dapo. Token counts span the whole mini-batch and every
+    rank. Default grpo: SPIRL's loss before the menu, so earlier runs keep their numbers (it has a length
+    bias; TRL 1.16 defaults to dapo: pass --loss-type dapo for TRL's default)."""
+    importance_sampling_level: str = "token"
+    """token = a ratio per token; sequence = one ratio per completion, exp(mean over its tokens of
+    logp - logp_old) (GSPO; TRL's importance_sampling_level). TRL's default, token."""
+    scale_rewards: str = "group"
+    """Advantage = reward - group mean, divided by: group = the group's reward std; batch = the whole
+    batch's (every rank's); none = nothing (Dr. GRPO). TRL's scale_rewards, and its default (group). The std
+    is the population std + 1e-6, as SPIRL has always computed it (TRL's: Bessel-corrected + 1e-4)."""
+    mask_truncated_completions: int = 0
+    """1 = completions cut at --max-new-tokens (no EOS) get no loss (they still count as sequences in
+    grpo's and dr_grpo's means, not in dapo's token count), as TRL's mask_truncated_completions and DAPO's
+    overlong filtering; 0 = off (TRL's default)."""
+    dynamic_sampling: int = 0
+    """1 = DAPO's dynamic sampling: groups whose rewards are all equal (no learning signal) are dropped and
+    more prompts are sampled, until --prompts-per-step groups are kept or --dynamic-sampling-max-rounds
+    rounds of --prompts-per-step prompts were sampled (then the step trains on what is kept, with a
+    warning). Logged as dynamic/*; parity is checked on every sampled token, kept or not."""
+    dynamic_sampling_max_rounds: int = 10
+    """--dynamic-sampling: most rounds of sampling per step (10: the DAPO recipe's max_num_gen_batches in verl)."""
     seed: int = 0
     """Seed of everything random (prompts, sampling); same seed -> identical run."""
     run_name: str = "grpo"
@@ -70,8 +102,38 @@ class TrainConfig:
     engine: str = "vllm"
     """Rollout engine: `vllm` (GPU, VLLM_BATCH_INVARIANT=1) or `native` (plain PyTorch, CPU ok)."""
     task: str = "arith"
-    """Task name (a module in spirl/tasks/): arith, gsm8k, synthetic, or calculator (multi-turn
-    tool use: the policy calls a calculator and answers, episodes of up to --max-turns turns)."""
+    """Task: arith, gsm8k, synthetic, calculator (multi-turn tool use: the policy calls a calculator and
+    answers, episodes of up to --max-turns turns); reasoning_gym:NAME[,NAME...] (reasoning-gym's procedural
+    tasks, generated offline: its questions, its answer format, its own score_answer; --task-size,
+    --task-seed); path/to/task.py (its make(tokenizer)), path/to/task.py:func or package.module:func (a
+    task from outside the package, same protocol as spirl/tasks/). Not with --dataset."""
+    task_size: int = 500
+    """reasoning_gym tasks: problems in the training set (reasoning-gym's own default size)."""
+    task_seed: int = 0
+    """reasoning_gym tasks: the generator's seed; the problems do not depend on --seed (reasoning-gym itself
+    would pick a random seed, so one is always set)."""
+    dataset: str = ""
+    """Your own prompts instead of --task: a JSONL, JSON, parquet or CSV file, a directory, or an id that
+    datasets.load_dataset takes (a local path needs no network). Its `prompt` column is TRL's: a string
+    (tokenized as text) or a list of chat messages (through the chat template); every other column goes
+    to the --reward functions. Read in epochs of seeded shuffles (--seed); the position is in every
+    checkpoint, so --resume continues the same order."""
+    dataset_split: str = "train"
+    """--dataset / --eval-dataset: the split to read (a single file is read as this split)."""
+    eval_dataset: str = ""
+    """--dataset runs: held-out prompts (same format) for --eval-every, scored by the same --reward
+    functions (eval/accuracy: the share whose greedy completion's reward is >= 1; eval/reward/<func>)."""
+    reward: tuple[str, ...] = ()
+    """--dataset runs: a reward function with TRL's signature f(prompts, completions, completion_ids,
+    **columns) -> list[float | None] (None = does not apply to that sample): path/to/file.py:func,
+    package.module:func, or `math` (math-verify against an `answer` or `solution` column). Repeatable;
+    each function's mean is logged as reward/<func>."""
+    reward_weights: str = ""
+    """--dataset runs: comma-separated weights of the --reward functions, in order; a sample's reward is the
+    weighted sum of the functions that applied to it; empty = 1.0 each (TRL's default)."""
+    chat_template_kwargs: str = ""
+    """--dataset chat prompts and reasoning_gym tasks: a JSON object passed to the chat template (TRL's
+    chat_template_kwargs), e.g. '{"enable_thinking": false}'; empty = the template's own defaults."""
     max_turns: int = 4
     """Multi-turn tasks: most policy turns per episode (--max-new-tokens is per turn)."""
     save_rollouts: int = 0
@@ -183,6 +245,25 @@ class TrainConfig:
             (self.max_turns >= 1, "max_turns must be >= 1"),
             (self.save_rollouts in (0, 1), "save_rollouts must be 0 or 1"),
             (self.detect_retokenization in (0, 1), "detect_retokenization must be 0 or 1"),
+            (self.loss_type in LOSS_TYPES, f"loss_type must be one of {', '.join(LOSS_TYPES)}"),
+            (self.importance_sampling_level in IS_LEVELS,
+             f"importance_sampling_level must be one of {', '.join(IS_LEVELS)}"),
+            (self.scale_rewards in REWARD_SCALES, f"scale_rewards must be one of {', '.join(REWARD_SCALES)}"),
+            (self.clip_eps_high >= 0, "clip_eps_high must be >= 0 (0 = the same as --clip-eps)"),
+            (self.loss_type != "cispo" or self.clip_eps_high > 0,
+             "--loss-type cispo needs --clip-eps-high: CISPO's eps_max, the bound of the importance weight "
+             "min(r, eps_max) (ScaleRL recommends 5.0; TRL would use --clip-eps, 0.2, which clips nearly every token)"),
+            (self.mask_truncated_completions in (0, 1), "mask_truncated_completions must be 0 or 1"),
+            (self.dynamic_sampling in (0, 1), "dynamic_sampling must be 0 or 1"),
+            (self.dynamic_sampling_max_rounds >= 1, "dynamic_sampling_max_rounds must be >= 1"),
+            (self.task_size >= 1, "task_size must be >= 1"),
+            (self.task_seed >= 0, "task_seed must be >= 0"),
+            (not self.dataset or self.task == TrainConfig.task,
+             f"--dataset and --task {self.task} both name the prompts: pass one of them"),
+            (bool(self.dataset) or not (self.reward or self.reward_weights or self.eval_dataset),
+             "--reward, --reward-weights and --eval-dataset go with --dataset (a --task brings its own reward)"),
+            (not self.dataset or bool(self.reward),
+             "--dataset needs at least one --reward (path/to/file.py:func, package.module:func or math)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -260,16 +341,27 @@ def build_parser(cls=TrainConfig) -> argparse.ArgumentParser:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     docs = field_docs(cls)
     for f in fields(cls):
+        flag, help = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
+        if _repeatable(f):  # tuple[str, ...]: the flag may be given several times
+            parser.add_argument(flag, dest=f.name, type=str, action="append", default=None,
+                                help=help)
+            continue
         kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
-                            help=docs.get(f.name, ""))
+        parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help)
     return parser
+
+
+def _repeatable(f) -> bool:
+    return str(f.type).replace(" ", "").startswith("tuple[str,...]")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Parse and validate; a bad value exits with one line on stderr (status 2)."""
-    args = build_parser().parse_args(argv)
-    cfg = TrainConfig(**vars(args))
+    args = vars(build_parser().parse_args(argv))
+    for f in fields(TrainConfig):
+        if _repeatable(f):
+            args[f.name] = tuple(args[f.name] or ())
+    cfg = TrainConfig(**args)
     try:
         return cfg.validate()
     except ConfigError as e:
@@ -282,7 +374,7 @@ def to_dict(cfg: TrainConfig) -> dict:
 
 
 RUN_ONLY_FIELDS = frozenset({"steps", "run_name", "resume", "out_dir", "checkpoint_dir", "checkpoint_every",
-                             "eval_every", "eval_pass_k", "eval_size", "save_rollouts", "debug"})
+                             "eval_every", "eval_pass_k", "eval_size", "eval_dataset", "save_rollouts", "debug"})
 """Fields that say where a run writes, how its process was started, how long it runs and how often it
 reports, not what it trains. A checkpoint leaves them out of the config it records, so that the same
 training state is the same bytes whether the run was interrupted and resumed (--resume, another

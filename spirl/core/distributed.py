@@ -18,7 +18,8 @@ path. How a step is split, and why each piece keeps the one-GPU numbers:
   cast of the masters; a cast is elementwise, so the gathered weights are bitwise the one-GPU
   compute model's, and the parity check proves it each step. Gradients are computed in the compute
   dtype (as on one GPU), reduce-scattered in fp32 and averaged over ranks; each rank's loss is its
-  local per-sequence mean, so the average is the global mean. Every rank must run the same number
+  share of the mini-batch's loss (normalizers over every rank: spirl/loops/loss.py) times the number
+  of ranks, so the average is the mini-batch's loss. Every rank must run the same number
   of forward and backward passes (each one is a sequence of collectives), so micro-batch counts
   are equalized with zero-weight passes (`trainer.train_minibatch`).
 * Weight sync: layer by layer, the compute-dtype tensors are gathered whole on every rank and

@@ -11,7 +11,9 @@ reports an unusable checkpoint with the status 1 it has always used.
 Exit statuses:
     0    success
     1    compare tools only: the check ran and found differing logprobs (like diff: 0 same, 1 different)
-    2    bad arguments or config: a flag's value, an unknown task, a prompt longer than max_model_len
+    2    bad arguments or config: a flag's value, an unknown task, a prompt longer than max_model_len, a
+         --dataset that cannot be read or has a bad row, a --reward function that cannot be loaded, raises or
+         returns something other than one number (or None) per sample
     3    unusable model or checkpoint: config.json, safetensors, tokenizer, a failed download, --resume
     4    environment: no CUDA, vLLM missing or not the pinned version, VLLM_BATCH_INVARIANT unset,
          a missing Python package
@@ -86,6 +88,8 @@ def debug_enabled() -> bool:
 _KNOWN: list[tuple[str, str, int, str]] = [
     ("spirl.core.config", "ConfigError", EXIT_USAGE, ""),
     ("spirl.tasks", "TaskError", EXIT_USAGE, ""),
+    ("spirl.tasks.rewards", "RewardError", EXIT_USAGE, ""),
+    ("spirl.tasks.dataset", "DatasetError", EXIT_USAGE, ""),
     ("torchtitan_compat.config", "ConfigError", EXIT_MODEL, ""),
     ("torchtitan_compat.tokenizer", "TokenizerError", EXIT_MODEL, ""),
     ("weights", "WeightsError", EXIT_MODEL, ""),

@@ -51,6 +51,7 @@ from ..core.distributed import World, check_distributed_config, check_distribute
 from ..core.errors import UserError
 from ..core.faults import PeerWatch
 from .evaluation import evaluate, require_eval_set
+from .rollout import DataCursor, PromptSource, ordered
 from ..core.metrics import MetricsLogger
 from ..core.preflight import (
     LengthCheckedEngine,
@@ -74,17 +75,20 @@ _NATIVE = "; on a machine without vLLM/CUDA use --engine native --dtype float32"
 
 
 def save_checkpoint(cfg: TrainConfig, policy: Policy, spec: PolicySpec, step: int, model_dir: Path,
-                    reference: dict | None = None, watch=None) -> Path | None:
+                    reference: dict | None = None, watch=None, data_position: int | None = None) -> Path | None:
     """Collective when sharded: every rank gathers, rank 0 writes the one-GPU format (so the run
     resumes on any number of GPUs), and a failed write fails every rank. Replicated state (LoRA on
     several ranks) is first checked to be bitwise the same on every rank. `watch`: the PeerWatch,
-    told that rank 0's write must not be cut."""
+    told that rank 0's write must not be cut. `data_position`: where a dataset's order continues
+    (spirl.loops.rollout.DataCursor), for the tasks read in order."""
     from ..core.distributed import check_replicas
 
     world = policy.world
     state = {"config": checkpoint_dict(cfg), "model_dir": str(model_dir), "world_size": world.size}
     if reference is not None:
         state["reference"] = reference
+    if data_position is not None:
+        state["data_position"] = data_position
     masters = {name: world.full_cpu(p) for name, p in policy.masters.items()}
     opt = ckpt.optimizer_tensors(policy.optimizer, world.full_cpu)
     if world.sharded and not policy.fsdp:
@@ -191,7 +195,7 @@ def _interrupted(e: KeyboardInterrupt, cfg: TrainConfig, progress: dict) -> User
 
 def train(cfg: TrainConfig) -> list[dict]:
     """Run cfg.steps GRPO steps; returns the per-step metrics (also logged)."""
-    progress: dict = {"step": None, "done": None, "saved": None, "watch": None}
+    progress: dict = {"step": None, "done": None, "saved": None, "position": None, "watch": None}
     with _Signals() as signals:
         try:
             return _train(cfg, signals, progress)
@@ -237,6 +241,9 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     if cfg.top_k != -1 or cfg.top_p != 1.0:
         log.warning("--top-k/--top-p truncate the sampling distribution, but the trainer's logprobs are of the raw "
                     "logits (--logprobs raw): the trained policy is not the one that sampled (off-policy)")
+    if cfg.importance_sampling_level == "sequence" and cfg.loss_type != "grpo":
+        log.warning("--importance-sampling-level sequence with --loss-type %s sums per-token losses of a per-sequence "
+                    "ratio; GSPO's paper (and TRL's advice) pairs it with --loss-type grpo", cfg.loss_type)
     run_dir = Path(cfg.out_dir) / cfg.run_name
     require_writable_dir(run_dir, "--out-dir")
     require_writable_dir(Path(cfg.checkpoint_dir) / cfg.run_name, "--checkpoint-dir")
@@ -261,13 +268,22 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
         from ..core.lora import resolve_spec
 
         lora = resolve_spec(cfg, model_args, model_dir, reference["fingerprint"])
+    resumed = None
     if cfg.resume:
-        check_resume(cfg.resume, model_args, reference, None if lora is None else lora.spec)
+        resumed = check_resume(cfg.resume, model_args, reference, None if lora is None else lora.spec)
     if cfg.engine == "vllm":
         require_cuda("--engine vllm", _NATIVE)
     device = world.device if world is not None else resolve_device(cfg.device)
     world = world or World(device=device)
-    task = get_task(cfg.task, load_checked_tokenizer(model_dir))
+    tokenizer = load_checked_tokenizer(model_dir)
+    if cfg.dataset:
+        from ..tasks import dataset
+
+        task = dataset.make(tokenizer, cfg)
+    else:
+        task = get_task(cfg.task, tokenizer, cfg)
+    cursor = DataCursor(_data_position(resumed, task))
+    prompt_source = PromptSource(task, cfg.seed, cursor)
     require_eval_set(task, cfg)
     check_distributed_task(task, cfg, world)
     limit, source = engine_max_model_len(cfg, model_args)
@@ -289,25 +305,26 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     progress["saved"] = start if cfg.resume else None
     watch = progress["watch"]
     stop = lambda: world.any(signals.stop_requested)  # noqa: E731 - decided by every rank together
-    save = lambda step: _save(cfg, policy, spec, step, model_dir, reference, watch, progress)  # noqa: E731
+    save = lambda step, position: _save(cfg, policy, spec, step, model_dir, reference, watch, progress,  # noqa: E731
+                                        position if ordered(task) else None)
     signals.graceful = True
     try:
         if cfg.eval_every and start == 0:  # the baseline: one eval before the first step
-            logger.log_step(0, evaluate(engine, task, cfg, world), cfg.steps)
+            logger.log_step(0, evaluate(engine, task, cfg, world, step=0), cfg.steps)
         for step in range(start + 1, cfg.steps + 1):
             progress["step"] = step
-            scalars = trainer.run_step(step, cfg, task, engine, policy, spec, device, run_dir, stop)
+            scalars = trainer.run_step(step, cfg, task, engine, policy, spec, device, run_dir, prompt_source, stop)
             if scalars is None:  # SIGTERM during the rollout: the step is dropped, nothing of it applied
                 _stop_early(cfg, f"during step {step} (after its rollout; the step is dropped)", progress, save)
                 break
             if cfg.eval_every and step % cfg.eval_every == 0:
-                scalars.update(evaluate(engine, task, cfg, world))
+                scalars.update(evaluate(engine, task, cfg, world, step=step))
             with signals.deferred():  # a step's log line and its checkpoint are written whole
                 logger.log_step(step, scalars, cfg.steps)
                 history.append(scalars)
                 if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                    save(step)
-                progress["done"] = step
+                    save(step, cursor.position)
+                progress["done"], progress["position"] = step, cursor.position
             if step < cfg.steps and stop():
                 _stop_early(cfg, f"after step {step}", progress, save)
                 break
@@ -325,8 +342,8 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     return history
 
 
-def _save(cfg, policy, spec, step, model_dir, reference, watch, progress) -> None:
-    save_checkpoint(cfg, policy, spec, step, model_dir, reference, watch)
+def _save(cfg, policy, spec, step, model_dir, reference, watch, progress, position: int | None) -> None:
+    save_checkpoint(cfg, policy, spec, step, model_dir, reference, watch, position)
     progress["saved"] = step
 
 
@@ -335,7 +352,7 @@ def _stop_early(cfg: TrainConfig, when: str, progress: dict, save) -> None:
     normally (exit status 0)."""
     done = progress["done"]
     if done is not None and progress["saved"] != done:
-        save(done)
+        save(done, progress["position"])  # the data position after that step, not after the dropped rollout
     root = Path(cfg.checkpoint_dir) / cfg.run_name
     if done is None and progress["saved"] is None:
         how = "no step was completed, so there is no checkpoint: start the run again"
@@ -343,6 +360,17 @@ def _stop_early(cfg: TrainConfig, when: str, progress: dict, save) -> None:
         how = f"continue with --resume {root}"
     log.warning("stopped by SIGTERM %s: the last completed step is %s; %s", when,
                 done if done is not None else progress["saved"], how)
+def _data_position(resumed, task) -> int:
+    """Where a task read in order (a dataset, reasoning-gym) continues: the resumed checkpoint's position,
+    else 0."""
+    if resumed is None or not ordered(task):
+        return 0
+    position = resumed.state.get("data_position")
+    if not isinstance(position, int) or position < 0:
+        raise ckpt.CheckpointError(f"--resume {resumed.path} records no data position (it was written by a run "
+                                   "that did not read a dataset in order), so this run cannot continue its data "
+                                   "order; resume a checkpoint of this --dataset / --task run")
+    return position
 
 
 class _NoLogger:

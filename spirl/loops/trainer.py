@@ -2,21 +2,23 @@
 
 The policy (weights, compute model, engine, weight sync) is spirl/core/policy.py's (and spirl/core/lora.py's).
 
-Per step, in order:
-  1. prompts from a python RNG seeded by (seed, step), sampling seed derived from (seed, step):
-     a step depends only on the weights, the optimizer state and its number, so a resumed run
-     repeats the uninterrupted one exactly;
+Per step, in order (1-4: spirl/loops/rollout.py, in rounds with --dynamic-sampling):
+  1. prompts from a python RNG seeded by (seed, step), or a dataset's seeded epoch order from the run's
+     checkpointed position; sampling seed derived from (seed, step): a step depends only on the weights,
+     the optimizer state, its number (and that position), so a resumed run repeats the uninterrupted one;
   2. the engine samples group_size completions per prompt (token ids + logprobs);
-  3. rewards, group-relative advantages;
-  4. the trainer's packed forward on the sampled ids (no grad) must equal the engine's logprob of
+  3. the trainer's packed forward on the sampled ids (no grad) must equal the engine's logprob of
      every sampled token bit for bit (under the distribution --logprobs names), else ParityError
-     (report written, no new checkpoint); with --vllm-sleep the engine then sleeps (KV cache
+     (report written, no new checkpoint);
+  4. rewards, group-relative advantages (--scale-rewards); with --dynamic-sampling, groups of equal
+     rewards are dropped and more are sampled; with --vllm-sleep the engine then sleeps (KV cache
      freed, weights in host memory) until the weight sync;
   5. reference-policy logprobs (frozen copy of the initial weights; only when kl_coef > 0);
   6. if every advantage is zero (all groups had equal rewards) there is no learning signal: the
      step is logged with `skipped_update=1` and no optimizer step is taken (nothing to sync);
   7. updates_per_batch optimizer steps, each over one mini-batch split into micro-batches of at
-     most max_tokens_per_microbatch tokens;
+     most max_tokens_per_microbatch tokens, with the loss --loss-type names (spirl/loops/loss.py),
+     its normalizers over the whole mini-batch on every rank;
      a NaN/Inf loss stops the run before any gradient of it is applied (NonFiniteLossError);
   8. weight sync to the engine; metrics; checkpoint every checkpoint_every steps and at the end.
 
@@ -31,28 +33,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from ..core.config import TrainConfig
-from ..core.distributed import World, shard_of
-from .loss import grpo_advantages, grpo_loss, pad
-from ..core.multiturn import episode_metrics, run_episodes
+from .loss import LossMenu, SequenceWeights, grpo_loss, pad, sequence_weights
 from ..core.optim import clip_grad_norm, step_with_deltas
-from ..numerics.parity import (
-    ParityReport,
-    SamplingDist,
-    check_parity,
-    logprob_dist,
-    sampled_logprobs,
-    sampled_logprobs_and_entropy,
-)
+from ..numerics.parity import SamplingDist, logprob_dist, sampled_logprobs, sampled_logprobs_and_entropy
 from ..core.policy import Policy, sync_weights
 from ..core.spec import PolicySpec
+from .rollout import DataCursor, Placeholder, PromptSource, Rollout, collect, step_seed  # noqa: F401 (step_seed: compare/)
+from .timing import phase_metrics, timed
 
 log = logging.getLogger("spirl.loops.trainer")
 
@@ -65,40 +58,7 @@ def sampling_dist(cfg: TrainConfig) -> SamplingDist:
     return logprob_dist(cfg.logprobs, cfg.temperature, cfg.min_p)
 
 
-# -- one step -----------------------------------------------------------------------------------
-
-
-@contextmanager
-def timed(times: dict, key: str):
-    """Adds the phase's seconds to times[key] and, on a GPU, its peak torch allocation (GiB) to
-    times["peak:" + key] (the max over the phase's repetitions)."""
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    yield
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        times["peak:" + key] = max(times.get("peak:" + key, 0.0), peak)
-    times[key] = times.get(key, 0.0) + time.perf_counter() - t0
-
-
-def phase_metrics(times: dict, world: World | None = None) -> dict[str, float]:
-    """time/<phase> seconds and memory/peak_gib/<phase> from what `timed` collected; on several ranks
-    (collective) the peak is the busiest GPU's, the times this rank's."""
-    if world is not None and world.sharded:
-        peaks = world.gather({k: v for k, v in times.items() if k.startswith("peak:")})
-        times = {**times, **{k: max(p.get(k, 0.0) for p in peaks) for k in peaks[0]}}
-    out = {}
-    for k, v in times.items():
-        out[f"memory/peak_gib/{k[5:]}" if k.startswith("peak:") else f"time/{k}"] = v
-    return out
-
-
-def step_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step) % (2**63)
+# -- one step -----------------------------------------------------------------------------------------------
 
 
 def token_budget_slices(lengths: list[int], budget: int) -> list[slice]:
@@ -119,6 +79,18 @@ def _raise_nonfinite(value: float | None):
     raise NonFiniteLossError(f"{what}; stopping before its gradient is applied (the last checkpoint is kept)")
 
 
+def minibatch_weights(cfg: TrainConfig, samples, world) -> SequenceWeights:
+    """The loss normalizers of one mini-batch (spirl.loops.loss.sequence_weights) over every rank: L_max =
+    --max-new-tokens (times --max-turns for multi-turn episodes); truncated = the last turn did not end on its
+    own (finish_reason length, or context for an episode)."""
+    real = [getattr(s, "seq", s) for s in samples]
+    turns = cfg.max_turns if real and hasattr(real[0], "segments") else 1
+    return sequence_weights(cfg.loss_type, [len(s.logprobs) for s in samples],
+                            [s.finish_reason in ("length", "context") for s in samples], cfg.max_new_tokens * turns,
+                            bool(cfg.mask_truncated_completions), [not isinstance(s, Placeholder) for s in samples],
+                            world)
+
+
 def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainConfig, device, times) -> dict:
     """One optimizer step over `samples`, accumulated over micro-batches of at most
     cfg.max_tokens_per_microbatch tokens. ref_lps is None when there is no KL term. Returns the
@@ -126,10 +98,10 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
     forward/backward passes as the rank with the most micro-batches (FSDP's collectives must pair
     up); the extra ones are zero-weight passes over a sequence, which add exact zeros. Several ranks:
     the gradients are averaged over ranks before the optimizer step (`Policy.reduce_grads`)."""
-    n = len(samples)
     world = policy.world
     sums: dict[str, float] = {}
     dist = sampling_dist(cfg)
+    weights = minibatch_weights(cfg, samples, world)  # normalizers over the whole mini-batch, every rank
     slices: list[slice | None] = list(token_budget_slices([len(s.ids) for s in samples], cfg.max_tokens_per_microbatch))
     if policy.fsdp:
         slices += [None] * (int(world.all_max(len(slices))) - len(slices))
@@ -142,7 +114,8 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
             lp, mask = pad(lps)
             ref = None if ref_lps is None else pad(ref_lps[sl])[0].to(device)
             loss, m = grpo_loss(lp, pad(old_lps[sl])[0].to(device), ref, adv[sl].to(device), mask,
-                                cfg.clip_eps, cfg.kl_coef, pad(ent)[0], cfg.entropy_coef)
+                                cfg.clip_eps, cfg.kl_coef, pad(ent)[0], cfg.entropy_coef, LossMenu.from_config(cfg),
+                                weights[sl])
         finite = bool(torch.isfinite(loss))
         if not finite:
             nonfinite = float(loss.detach())
@@ -150,7 +123,7 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
             _raise_nonfinite(nonfinite if not finite else None)
         if not finite:  # replicated model: the ranks decide together after their own passes
             break
-        w = 0.0 if padding else (sl.stop - sl.start) / n  # per-sequence means, weighted: the mini-batch mean
+        w = 0.0 if padding else 1.0  # each part's loss carries its share of the mini-batch's normalizer
         with timed(times, "backward"):
             (loss * w).backward()
             policy.grads_to_masters()
@@ -159,7 +132,7 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
                 sums[k] = sums.get(k, 0.0) + w * v
     if not policy.fsdp and world.any(not finite):
         _raise_nonfinite(nonfinite if not finite else None)
-    sums = world.mean_over_ranks(sums)  # every rank holds the same number of sequences
+    sums = world.mean_over_ranks(sums)  # each rank's share is scaled by the ranks: their mean is the sum
     with timed(times, "optimizer"):
         policy.reduce_grads()
         if cfg.max_grad_norm > 0:
@@ -169,32 +142,6 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
     with timed(times, policy.merge_phase):
         policy.push_masters_to_model()
     return {**sums, **deltas}
-
-
-def extra_sampling(cfg: TrainConfig) -> dict:
-    """The engine's sampling settings besides the temperature."""
-    return dict(min_p=cfg.min_p, top_k=cfg.top_k, top_p=cfg.top_p)
-
-
-def collect(step: int, cfg: TrainConfig, task, engine, world: World | None = None
-            ) -> tuple[list, list[dict], torch.Tensor, dict]:
-    """(trainable sequences, their prompts' metadata, rewards [N], extra metrics) of one step,
-    prompt-major: single-turn Samples, or multi-turn Trajectories when the task is an environment.
-    On several ranks: this rank's share of the step's prompts, each sampled with the seed one
-    process gives it (so the ranks together draw what one process draws)."""
-    rng = random.Random(step_seed(cfg.seed, step))
-    prompts = shard_of(task.prompts(rng, cfg.prompts_per_step), world or World())
-    seed = step_seed(cfg.seed, step) % (2**31)
-    if getattr(task, "multi_turn", False):
-        trajs, metas = run_episodes(engine, task, prompts, cfg.group_size, cfg.max_turns, cfg.max_new_tokens,
-                                    cfg.temperature, seed, max_len=cfg.max_model_len, **extra_sampling(cfg))
-        rewards = [task.reward(t, m) for t, m in zip(trajs, metas)]
-        return trajs, metas, torch.tensor(rewards, dtype=torch.float32), episode_metrics(trajs)
-    samples = engine.generate([p for p, _ in prompts], n=cfg.group_size, max_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, seed=[seed] * len(prompts), **extra_sampling(cfg))
-    metas = [meta for _, meta in prompts for _ in range(cfg.group_size)]
-    rewards = [task.reward(s.completion_ids, m) for s, m in zip(samples, metas)]
-    return samples, metas, torch.tensor(rewards, dtype=torch.float32), {}
 
 
 def save_rollouts(path: Path, trajs, metas: list[dict], task, rewards: torch.Tensor) -> None:
@@ -217,71 +164,82 @@ def detect_retokenization(trajs, metas: list[dict], task, model, device) -> dict
     return summary.metrics()
 
 
-def step_scalars(policy: Policy, samples, rewards: torch.Tensor, report: ParityReport, extra: dict) -> dict:
-    """The step's reward, parity and length scalars over every rank's samples (on one process:
-    of its own). Rewards are gathered, so their mean and std are the one-process formulas."""
+def step_scalars(policy: Policy, ro: Rollout) -> dict:
+    """The step's reward, parity and length scalars over every rank (on one process: of its own): rewards,
+    parity and completion lengths of every sampled sequence (every round, kept or not), tokens_trained of
+    what is trained. Rewards are gathered, so their mean and std are the one-process formulas (unscorable
+    samples, NaN, left out)."""
     world = policy.world
-    trained = sum(len(s.logprobs) for s in samples)
-    compared, different, trained, count = world.all_sum([report.tokens_compared, report.tokens_different, trained,
-                                                         len(samples)])
-    every = torch.tensor([r for part in world.gather(rewards.tolist()) for r in part], dtype=torch.float32)
+    sampled = sum(len(s.logprobs) for s in ro.sampled)
+    trained = sum(len(s.logprobs) for s in ro.samples if not isinstance(s, Placeholder))
+    compared, different, sampled, count, trained = world.all_sum([ro.report.tokens_compared, ro.report.tokens_different,
+                                                                  sampled, len(ro.sampled), trained])
+    every = torch.cat(world.gather(ro.sampled_rewards))
+    every = every[~torch.isnan(every)]
     out = {"reward_mean": float(every.mean()), "reward_std": float(every.std(unbiased=False)),
            "parity/tokens_compared": compared, "parity/tokens_different": different,
-           "parity/max_abs_diff": world.all_max(report.max_abs_diff),
-           "completion_len_mean": trained / count, "tokens_trained": trained}
+           "parity/max_abs_diff": world.all_max(ro.report.max_abs_diff),
+           "completion_len_mean": sampled / count, "tokens_trained": trained}
     if world.sharded:
-        for r, (c, d) in enumerate(world.gather((report.tokens_compared, report.tokens_different))):
+        for r, (c, d) in enumerate(world.gather((ro.report.tokens_compared, ro.report.tokens_different))):
             out[f"parity/rank{r}/tokens_compared"], out[f"parity/rank{r}/tokens_different"] = float(c), float(d)
-    return {**out, **world.mean_over_ranks(extra)}
+    return {**out, **ro.metrics}
+
+
+def minibatch_slices(n: int, updates: int) -> list[slice]:
+    """`updates` consecutive mini-batches of n sequences, as equal as can be (all equal when they divide n)."""
+    return [slice(n * u // updates, n * (u + 1) // updates) for u in range(updates)]
 
 
 def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, spec: PolicySpec, device, run_dir: Path,
-             stop=None) -> dict | None:
+             source: PromptSource | None = None, stop=None) -> dict | None:
     """One GRPO step of `policy` (built from `spec`); its scalars, with time/<phase> and time/step (the
-    whole step's wall clock). `stop()`: asked once after the rollout (every rank together); when it says
-    so, the step ends there and returns None, nothing of it applied."""
+    whole step's wall clock). `source`: the run's prompts (a dataset's position lives in it); None = a fresh
+    one at position 0. `stop()`: asked once after the rollout (every rank together); when it says so, the
+    step ends there and returns None, nothing of it applied."""
     times: dict[str, float] = {}
     start = time.perf_counter()
     dist = sampling_dist(cfg)
     world = policy.world
-    with timed(times, "rollout"):
-        samples, metas, rewards, extra = collect(step, cfg, task, engine, world)
+    ro = collect(step, cfg, task, engine, policy, device, run_dir, source or PromptSource(task, cfg.seed, DataCursor()),
+                 times)
+    samples, adv = ro.samples, ro.advantages
     if stop is not None and stop():
         return None
-    adv = grpo_advantages(rewards, cfg.group_size)
     multi_turn = getattr(task, "multi_turn", False)
     if multi_turn and cfg.save_rollouts:
         suffix = f"_rank{world.rank}" if world.sharded else ""
-        save_rollouts(run_dir / "rollouts" / f"step_{step:06d}{suffix}.jsonl", samples, metas, task, rewards)
-    with timed(times, "parity"), torch.no_grad():
-        trainer_lps = sampled_logprobs(policy.model, samples, device, dist)
-        report = check_parity(samples, trainer_lps, step, run_dir, engine, policy)
-        del trainer_lps
+        save_rollouts(run_dir / "rollouts" / f"step_{step:06d}{suffix}.jsonl", ro.sampled, ro.sampled_metas, task,
+                      ro.sampled_rewards)
     if hasattr(engine, "sleep"):
         engine.sleep()  # free the KV cache while the trainer trains (--vllm-sleep)
-    ref_lps = None
-    if policy.has_reference:
-        with timed(times, "reference"), torch.no_grad(), policy.reference_model() as ref:
-            ref_lps = [x.float().cpu() for x in sampled_logprobs(ref, samples, device, dist)]
-    old_lps = [s.logprobs for s in samples]
-    out = step_scalars(policy, samples, rewards, report, extra)
-    if multi_turn and cfg.detect_retokenization:
+    out = step_scalars(policy, ro)
+    if multi_turn and cfg.detect_retokenization and samples:
         with torch.no_grad():
-            out.update(detect_retokenization(samples, metas, task, policy.model, device))
+            out.update(detect_retokenization(samples, ro.metas, task, policy.model, device))
     if not world.any(bool((adv != 0).any())):
         if world.is_main:  # decided over all ranks: said once
             log.warning("step %d: every group has equal rewards, so every advantage is 0: no update this step", step)
         out["skipped_update"] = 1.0
         times["step"] = time.perf_counter() - start
         return {**out, **phase_metrics(times, world)}
-    per = len(samples) // cfg.updates_per_batch
+    ref_lps = None
+    if policy.has_reference:
+        with timed(times, "reference"), torch.no_grad(), policy.reference_model() as ref:
+            ref_lps = [x.float().cpu() for x in sampled_logprobs(ref, samples, device, dist)]
+    old_lps = [s.logprobs for s in samples]
+    slices = minibatch_slices(len(samples), cfg.updates_per_batch)
+    real = [sum(not isinstance(s, Placeholder) for s in samples[sl]) for sl in slices]
+    slices = [sl for sl, n in zip(slices, world.all_sum(real)) if n]  # none anywhere (few kept groups): no update
     agg: dict[str, float] = {}
-    for u in range(cfg.updates_per_batch):
-        sl = slice(u * per, (u + 1) * per)
-        m = train_minibatch(policy, samples[sl], old_lps[sl], None if ref_lps is None else ref_lps[sl],
-                            adv[sl], cfg, device, times)
+    for sl in slices:
+        mb, mb_old, mb_ref, mb_adv = samples[sl], old_lps[sl], None if ref_lps is None else ref_lps[sl], adv[sl]
+        if not mb:  # this rank has no sequence in this mini-batch: a zero-weight stand-in (rollout.Placeholder)
+            mb, mb_old, mb_adv = [Placeholder(getattr(samples[0], "seq", samples[0]))], old_lps[:1], torch.zeros(1)
+            mb_ref = None if ref_lps is None else ref_lps[:1]
+        m = train_minibatch(policy, mb, mb_old, mb_ref, mb_adv, cfg, device, times)
         for k, v in m.items():
-            agg[k] = agg.get(k, 0.0) + v / cfg.updates_per_batch
+            agg[k] = agg.get(k, 0.0) + v / len(slices)
     with timed(times, "weight_sync"):
         sync_weights(engine, policy, spec)
     out.update(agg)

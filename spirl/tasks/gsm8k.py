@@ -1,31 +1,24 @@
 """GSM8K (openai/gsm8k, train split) through the optional `datasets` package.
 
-Reward: 1.0 if the last number in the completion equals the reference answer (after '####'),
-else 0. Prompts are tokenized on first use and cached, never re-encoded.
+Reward: 1.0 if math-verify finds the completion's answer equal to the reference answer (after '####'; its
+last number, or a \\boxed{} one: spirl.tasks.math_answer), else 0. Prompts are tokenized on first use and
+cached, never re-encoded.
 """
 
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, field
 
 from . import Meta, TaskError, chat_prompt_ids
+from .math_answer import score
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 SUFFIX = " Give the final answer as a number on the last line."
 
 
-def _num(s: str) -> float | None:
-    try:
-        return float(s.replace(",", ""))
-    except ValueError:
-        return None
-
-
-def score(text: str, answer: float) -> float:
-    nums = _NUMBER.findall(text)
-    return 1.0 if nums and _num(nums[-1]) == answer else 0.0
+def gold_answer(solution: str) -> str:
+    """The reference answer of a GSM8K solution: what follows '####', without thousands separators."""
+    return solution.split("####")[-1].strip().replace(",", "")
 
 
 @dataclass
@@ -38,8 +31,8 @@ class GSM8KTask:
     def _prompt(self, i: int) -> tuple[list[int], Meta]:
         if i not in self._cache:
             row = self.rows[i]
-            answer = _num(row["answer"].split("####")[-1].strip())
-            self._cache[i] = (chat_prompt_ids(self.tokenizer, row["question"] + SUFFIX), {"answer": answer})
+            self._cache[i] = (chat_prompt_ids(self.tokenizer, row["question"] + SUFFIX),
+                              {"answer": gold_answer(row["answer"])})
         return self._cache[i]
 
     def prompts(self, rng: random.Random, n: int) -> list[tuple[list[int], Meta]]:

@@ -13,13 +13,16 @@ distribution (no temperature); the other inputs come from the datum's `loss_fn_i
                          (required: Tinker documents no default)
 
 Every loss is a sum over tokens (and the caller sums over datums): any normalization is the
-caller's, in `weights` or `advantages`. `gspo` and `stable_reinforce` are refused: Tinker does not
+caller's, in `weights` or `advantages`. `ppo` and `cispo` are spirl.core.objectives' per-token surrogates,
+the ones GRPO's loss menu trains with (spirl/loops/loss.py): one implementation each. `gspo` and `stable_reinforce` are refused: Tinker does not
 publish stable_reinforce's objective, and gspo's clip parameters are undocumented.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..core import objectives
 
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 INPUTS = {"cross_entropy": ("weights",), "importance_sampling": ("logprobs", "advantages"),
@@ -63,10 +66,10 @@ def loss(name: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: d
     ratio = torch.exp(lp - old)
     if name == "importance_sampling":
         return -(ratio * adv).sum()
-    clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
     if name == "ppo":
-        return -torch.minimum(ratio * adv, clipped * adv).sum()
-    return -(clipped.detach() * lp * adv).sum()  # cispo
+        return objectives.ppo_clip(ratio, adv, low, high).sum()
+    return objectives.cispo(ratio, lp, adv, low, high).sum()
 
 
 class HandleLoss:

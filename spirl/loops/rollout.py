@@ -1,0 +1,283 @@
+"""One step's rollout: prompts -> samples -> parity -> rewards, in rounds with --dynamic-sampling, and the
+share of it each rank trains on.
+
+Prompts (`PromptSource`): a task with `prompts(rng, n)` only is drawn from with random.Random(step_seed(seed,
+step)), so a step depends only on its number; a task with `__len__` and `prompt_at` (--dataset,
+reasoning-gym) is read in DataOrder (epochs of seeded shuffles) from the run's `DataCursor`, which every
+checkpoint records, so --resume continues the order bit for bit. Every rank draws the round's whole list and
+samples its contiguous share (`shard_of`), with the seed one process uses.
+
+A round: the engine samples group_size completions per prompt; the trainer recomputes the logprob of every
+sampled token, which must equal the engine's bit for bit (ParityError otherwise: the step is not applied);
+then the rewards. Without --dynamic-sampling the step is one round of --prompts-per-step prompts.
+
+--dynamic-sampling (DAPO, arXiv 2503.14476, section 3.2): a group whose rewards are all equal has zero
+advantage and teaches nothing. Rounds of --prompts-per-step new prompts (round r > 0 samples with
+round_seed(seed, step, r)) are sampled until --prompts-per-step groups with unequal rewards are kept, in the
+order they were sampled (kept groups beyond that are unused), or until --dynamic-sampling-max-rounds, after
+which the step trains on what is kept (a warning says so; none kept: no update). Which groups are kept is
+decided over every rank's groups (gathered), and each rank then trains on a contiguous share of the kept
+groups, so N ranks keep and train on exactly what one process does. Parity is checked on every sampled token
+of every round, kept or dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.distributed import World, shard_of
+from ..core.multiturn import episode_metrics, run_episodes
+from ..numerics.parity import ParityReport, check_parity, logprob_dist, sampled_logprobs
+from ..tasks.dataset import DataOrder, DatasetError
+from ..tasks.rewards import RewardError, Scored, score
+from .loss import grpo_advantages
+from .timing import timed
+
+log = logging.getLogger("spirl.loops.rollout")
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) % (2**63)
+
+
+def round_seed(seed: int, step: int, r: int) -> int:
+    """The engine's sampling seed of round r of a step: round 0's is the step's (as without dynamic sampling)."""
+    base = step_seed(seed, step)
+    return (base if r == 0 else step_seed(base, r)) % (2**31)
+
+
+# -- prompts --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataCursor:
+    """The position of the next prompt of an ordered task (DataOrder), recorded in every checkpoint."""
+
+    position: int = 0
+
+
+def ordered(task) -> bool:
+    """The task is read in DataOrder (it has __len__ and prompt_at), not drawn with the step's RNG."""
+    return callable(getattr(task, "prompt_at", None)) and callable(getattr(task, "__len__", None))
+
+
+class PromptSource:
+    """The prompts of each round of a step (module docstring)."""
+
+    def __init__(self, task, seed: int, cursor: DataCursor):
+        self.task, self.seed, self.cursor = task, seed, cursor
+        self.order = DataOrder(len(task), seed) if ordered(task) else None
+        self.rng = random.Random(0)
+
+    def begin(self, step: int) -> None:
+        self.rng = random.Random(step_seed(self.seed, step))
+
+    def draw(self, n: int) -> list:
+        """The next n (prompt ids, meta) of this step."""
+        if self.order is None:
+            return self.task.prompts(self.rng, n)
+        start = self.cursor.position
+        self.cursor.position += n
+        return [self.task.prompt_at(self.order.index(p)) for p in range(start, start + n)]
+
+
+# -- one round ------------------------------------------------------------------------------------------------
+
+
+def sampling_settings(cfg) -> dict:
+    """The engine's sampling settings besides the temperature."""
+    return dict(min_p=cfg.min_p, top_k=cfg.top_k, top_p=cfg.top_p)
+
+
+@dataclass
+class Round:
+    """This rank's share of one round: sequences (prompt-major, group_size per prompt), metas, rewards."""
+
+    samples: list
+    metas: list
+    scored: Scored
+    report: ParityReport
+    extra: dict = field(default_factory=dict)
+
+
+def sample_round(step: int, r: int, prompts: list, cfg, task, engine, policy, device, run_dir, times: dict) -> Round:
+    """Sample this rank's `prompts`, check parity on every sampled token, score them. Collective on
+    several ranks (parity and a failing reward fail every rank)."""
+    world = policy.world
+    seed = round_seed(cfg.seed, step, r)
+    with timed(times, "rollout"):
+        if getattr(task, "multi_turn", False):
+            samples, metas = run_episodes(engine, task, prompts, cfg.group_size, cfg.max_turns, cfg.max_new_tokens,
+                                          cfg.temperature, seed, max_len=cfg.max_model_len, **sampling_settings(cfg))
+            extra, outputs = episode_metrics(samples), samples
+        else:
+            samples = engine.generate([p for p, _ in prompts], n=cfg.group_size, max_tokens=cfg.max_new_tokens,
+                                      temperature=cfg.temperature, seed=[seed] * len(prompts), **sampling_settings(cfg))
+            metas = [meta for _, meta in prompts for _ in range(cfg.group_size)]
+            extra, outputs = {}, [s.completion_ids for s in samples]
+    with timed(times, "parity"), torch.no_grad():
+        trainer_lps = sampled_logprobs(policy.model, samples, device, logprob_dist(cfg.logprobs, cfg.temperature,
+                                                                                  cfg.min_p))
+        report = check_parity(samples, trainer_lps, step, run_dir, engine, policy)
+        del trainer_lps
+    error, scored = None, None
+    with timed(times, "reward"):
+        try:
+            scored = score(task, outputs, metas, step, cfg)
+        except RewardError as e:
+            error = RewardError(not_applied(e, step))
+    world.raise_if_any(error)
+    return Round(samples, metas, scored, report, extra)
+
+
+def not_applied(e: Exception, step: int) -> str:
+    """The one line of an error during a step's rollout: what it was, and that nothing was lost."""
+    return f"{e}; nothing is lost: step {step} was not applied, and the last checkpoint (if any) is kept for --resume"
+
+
+def informative(rewards: torch.Tensor) -> bool:
+    """A group's rewards [G] give a learning signal: at least two scorable (non-NaN) ones differ."""
+    r = rewards[~torch.isnan(rewards)]
+    return r.numel() >= 2 and bool((r != r[0]).any())
+
+
+# -- the step's rollout ---------------------------------------------------------------------------------------
+
+
+class Placeholder:
+    """A sequence a rank trains on with zero weight when its share of the kept groups is empty (the
+    ranks' forward and backward passes are collectives, so each must run them): `sequence_weights` gives
+    it no weight and counts it in no normalizer, and it is in no metric."""
+
+    def __init__(self, seq):
+        self.seq = seq
+
+    ids = property(lambda self: self.seq.ids)
+    loss_mask = property(lambda self: self.seq.loss_mask)
+    logprobs = property(lambda self: self.seq.logprobs)
+    finish_reason = property(lambda self: self.seq.finish_reason)
+
+
+@dataclass
+class Rollout:
+    """What a step trains on (this rank's share) and what it sampled (every round, this rank's)."""
+
+    samples: list
+    """Trained sequences of this rank: its share of the kept groups (or a Placeholder when that is empty)."""
+    metas: list
+    advantages: torch.Tensor
+    """float32 [len(samples)]: group-relative, over every rank's kept groups (0 for a Placeholder)."""
+    sampled: list
+    """Every sequence this rank sampled this step (every round, kept or not)."""
+    sampled_metas: list
+    sampled_rewards: torch.Tensor
+    sampled_per_func: torch.Tensor
+    names: list[str]
+    report: ParityReport
+    metrics: dict
+    """reward/<func>, reward_metric/<name>, dynamic/*, episode/* scalars (already over every rank)."""
+
+
+def _merge(a: ParityReport | None, b: ParityReport) -> ParityReport:
+    if a is None:
+        return b
+    return ParityReport(a.tokens_compared + b.tokens_compared, a.tokens_different + b.tokens_different,
+                        max(a.max_abs_diff, b.max_abs_diff))
+
+
+def _contiguous(n: int, world: World) -> slice:
+    """Rank r's contiguous share of n items: floor(n r / size) up to floor(n (r + 1) / size), so shares differ by
+    at most one (some are empty when n < size); for n divisible by the ranks, `shard_of`'s."""
+    return slice(n * world.rank // world.size, n * (world.rank + 1) // world.size)
+
+
+def collect(step: int, cfg, task, engine, policy, device, run_dir, source: PromptSource, times: dict) -> Rollout:
+    """The step's rollout (module docstring) on this rank."""
+    world = policy.world
+    g, want = cfg.group_size, cfg.prompts_per_step
+    source.begin(step)
+    rounds: list[Round] = []
+    kept: list[tuple] = []  # (sequences, metas, rewards, per_func) of each kept group, every rank's, in order
+    dropped = 0
+    rounds_allowed = cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 1
+    while len(rounds) < rounds_allowed and (not cfg.dynamic_sampling or len(kept) < want):
+        try:
+            prompts = source.draw(want)  # every rank draws the same list: a bad row fails every rank alike
+        except DatasetError as e:
+            raise DatasetError(not_applied(e, step)) from None
+        rnd = sample_round(step, len(rounds), shard_of(prompts, world), cfg, task, engine, policy, device, run_dir,
+                           times)
+        rounds.append(rnd)
+        if not cfg.dynamic_sampling:
+            break
+        for seqs, metas, rewards, per_func in world.gather((rnd.samples, rnd.metas, rnd.scored.rewards,
+                                                              rnd.scored.per_func)):
+            for i in range(0, len(seqs), g):
+                group = (seqs[i:i + g], metas[i:i + g], rewards[i:i + g], per_func[i:i + g])
+                if informative(group[2]):
+                    kept.append(group)
+                else:
+                    dropped += 1
+    metrics = _sampled_metrics(rounds, world)
+    if cfg.dynamic_sampling:
+        groups, used = len(rounds) * want, min(len(kept), want)
+        metrics.update({"dynamic/rounds": float(len(rounds)), "dynamic/groups_sampled": float(groups),
+                        "dynamic/groups_dropped": float(dropped), "dynamic/groups_kept": float(used),
+                        "dynamic/groups_unused": float(len(kept) - used),
+                        "dynamic/round_limit": float(len(kept) < want)})
+        if len(kept) < want and world.is_main:
+            log.warning("step %d: dynamic sampling kept %d of %d groups with unequal rewards in %d rounds "
+                        "(--dynamic-sampling-max-rounds); training on those %d", step, len(kept), want, len(rounds),
+                        len(kept))
+        kept = kept[:want]
+        rewards = torch.cat([k[2] for k in kept]) if kept else torch.zeros(0)
+        advantages = grpo_advantages(rewards, g, scale=cfg.scale_rewards) if kept else rewards
+        share = _contiguous(len(kept), world)
+        mine = kept[share]
+        samples = [s for k in mine for s in k[0]]
+        metas = [m for k in mine for m in k[1]]
+        adv = advantages[share.start * g:share.stop * g]
+        if not samples and kept:  # this rank trains nothing this step: a zero-weight pass keeps collectives paired
+            samples, metas, adv = [Placeholder(kept[0][0][0])], [kept[0][1][0]], torch.zeros(1)
+    else:
+        rnd = rounds[0]
+        samples, metas = rnd.samples, rnd.metas
+        every = torch.cat(world.gather(rnd.scored.rewards))  # rank order = one process's order (batch std)
+        adv = grpo_advantages(every, g, scale=cfg.scale_rewards)
+        if world.sharded:
+            adv = adv[world.rank * len(samples):(world.rank + 1) * len(samples)]
+    report = None
+    for rnd in rounds:
+        report = _merge(report, rnd.report)
+    sampled, sampled_metas = [s for r in rounds for s in r.samples], [m for r in rounds for m in r.metas]
+    return Rollout(samples, metas, adv, sampled, sampled_metas, torch.cat([r.scored.rewards for r in rounds]),
+                   torch.cat([r.scored.per_func for r in rounds]), rounds[0].scored.names, report, metrics)
+
+
+def _sampled_metrics(rounds: list[Round], world: World) -> dict:
+    """reward/<func> (each function's mean over the samples it applied to, every round and rank),
+    reward_metric/<name> (the reward functions' log_metric values, averaged), episode/* (multi-turn)."""
+    out = {}
+    if rounds[0].scored.per_function:
+        per_func = torch.cat(world.gather(torch.cat([r.scored.per_func for r in rounds])))
+        for j, name in enumerate(rounds[0].scored.names):
+            col = per_func[:, j]
+            col = col[~torch.isnan(col)]
+            if col.numel():  # a function that applied to no sample this step logs nothing
+                out[f"reward/{name}"] = float(col.mean())
+    logged: dict[str, list[float]] = {}
+    for part in world.gather([r.scored.metrics for r in rounds]):
+        for m in part:
+            for k, v in m.items():
+                logged.setdefault(k, []).extend(v)
+    for k, v in sorted(logged.items()):
+        out[f"reward_metric/{k}"] = sum(v) / len(v)
+    if rounds[0].extra:
+        extra = {k: sum(r.extra[k] for r in rounds) / len(rounds) for k in rounds[0].extra}
+        out.update(world.mean_over_ranks(extra))
+    return out
+

@@ -1,0 +1,38 @@
+"""Phase timing of a step: seconds and, on a GPU, peak torch memory per phase (time/<phase>,
+memory/peak_gib/<phase>)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def timed(times: dict, key: str):
+    """Adds the phase's seconds to times[key] and, on a GPU, its peak torch allocation (GiB) to
+    times["peak:" + key] (the max over the phase's repetitions)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    yield
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        times["peak:" + key] = max(times.get("peak:" + key, 0.0), peak)
+    times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+
+
+def phase_metrics(times: dict, world=None) -> dict[str, float]:
+    """time/<phase> seconds and memory/peak_gib/<phase> from what `timed` collected; on several ranks
+    (`world`, spirl.core.distributed.World; collective) the peak is the busiest GPU's, the times this rank's."""
+    if world is not None and world.sharded:
+        peaks = world.gather({k: v for k, v in times.items() if k.startswith("peak:")})
+        times = {**times, **{k: max(p.get(k, 0.0) for p in peaks) for k in peaks[0]}}
+    out = {}
+    for k, v in times.items():
+        out[f"memory/peak_gib/{k[5:]}" if k.startswith("peak:") else f"time/{k}"] = v
+    return out
