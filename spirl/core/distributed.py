@@ -1,4 +1,4 @@
-"""Several GPUs (or CPU processes) under torchrun: FSDP2 training, one rollout engine per rank.
+"""Several GPUs (or CPU processes) under torchrun: FSDP2 or replicated-LoRA training, one rollout engine per rank.
 
     torchrun --nproc-per-node N simple_rl.py ...     (VLLM_BATCH_INVARIANT=1 for --engine vllm)
 
@@ -22,8 +22,12 @@ path. How a step is split, and why each piece keeps the one-GPU numbers:
   of ranks, so the average is the mini-batch's loss. Every rank must run the same number
   of forward and backward passes (each one is a sequence of collectives), so micro-batch counts
   are equalized with zero-weight passes (`trainer.train_minibatch`).
+* LoRA (spirl.core.lora): nothing is sharded. Every rank holds its engine's whole bf16 model and a
+  replica of the adapters; `LoRAPolicy.reduce_grads` averages the adapters' gradients over ranks
+  (one all-reduce) before the optimizer step, so the replicas stay bitwise equal (`check_replicas`
+  at every checkpoint). The ranks of a host read the checkpoint in turns (`one_local_rank_at_a_time`).
 * Weight sync: layer by layer, the compute-dtype tensors are gathered whole on every rank and
-  loaded into that rank's engine; the fp32 model is never whole on a GPU.
+  loaded into that rank's engine; the fp32 model is never whole on a GPU (LoRA: the merge is the sync).
 * Metrics are reduced here; rank 0 writes TensorBoard, metrics.jsonl and checkpoints. Checkpoints
   are the one-GPU format (gathered safetensors), so a run resumes on any number of GPUs.
 
@@ -31,7 +35,9 @@ Determinism: within one configuration the collectives are the only new arithmeti
 copy bytes. A reduce-scatter of 2 ranks adds two numbers (exact, order-free) and averages by a
 power of two (exact). For more ranks the summation order is NCCL's algorithm: `init_world`
 pins it (NCCL_ALGO=Ring, NCCL_PROTO=Simple, unless set) so that it cannot change with message size
-tuning between runs. NVLink SHARP (NCCL_NVLS_ENABLE) is left as the environment sets it.
+tuning between runs. NVLink SHARP (NCCL_NVLS_ENABLE) is left as the environment sets it. How the ranks
+are spread over nodes changes nothing (on the CPU once the threads are pinned: `_pin_cpu_threads`).
+Faults and preemption: spirl/core/faults.py, spirl/loops/run.py. Measurements: docs/distributed.md.
 """
 
 from __future__ import annotations
