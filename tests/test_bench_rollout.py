@@ -308,3 +308,53 @@ def test_worker_cases_mode_rows_feed_the_table(fake_vllm, model_dir, capsys):
     assert "engine_start_s" in row and "kind" not in row
     with pytest.raises(SystemExit, match="needs --deadline"):
         bench_rollout.main(["--worker", "ours", "--sweep", "--model", str(model_dir), "--cases", "8x512x16"])
+
+
+def test_the_parents_worker_command_parses_as_meant(model_dir, tmp_path):
+    args = bench_rollout.parse_args(_sweep_argv(model_dir, tmp_path / "r.jsonl", "--split-prefill", "--repeats", "3"))
+    cells = [sw.Cell(8, 16, 64), sw.Cell(255, 512, 64)]
+    cmd = bench_rollout.worker_cmd("plain", args, ",".join(map(str, cells)),
+                                   ["--sweep", "--deadline", "1234.5", "--split-prefill"])
+    assert cmd[:2] == [sys.executable, bench_rollout.__file__]
+    w = bench_rollout.parse_args(cmd[2:])
+    assert (w.worker, w.sweep, w.deadline, w.split_prefill, w.repeats, w.model) == ("plain", True, 1234.5, True, 3,
+                                                                                      str(model_dir))
+    assert [sw.Cell(*c) for c in bench_rollout.parse_cases(w)] == cells
+
+
+FAKE_VLLM = '''
+"""A stand-in for vllm in a worker subprocess (tests/test_bench_rollout.py): LLM, SamplingParams, TokensPrompt."""
+from types import SimpleNamespace
+
+
+class SamplingParams(SimpleNamespace):
+    pass
+
+
+class LLM:
+    def __init__(self, model, **kw):
+        cfg = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8],
+                                                                 cudagraph_mode="NONE"),
+                              scheduler_config=SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=16384),
+                              cache_config=SimpleNamespace(kv_cache_size_tokens=None, num_gpu_blocks=64, block_size=16))
+        self.llm_engine = SimpleNamespace(vllm_config=cfg)
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * params.max_tokens)]) for _ in prompts]
+'''
+
+
+def test_a_real_worker_process_streams_its_rows(monkeypatch, tmp_path, model_dir):
+    """The parent's command, environment and stream end to end, with vllm replaced by FAKE_VLLM."""
+    fake = tmp_path / "fake_site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "inputs.py").write_text("TokensPrompt = dict\n")
+    monkeypatch.setenv("PYTHONPATH", f"{fake.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    args = bench_rollout.parse_args(_sweep_argv(model_dir, tmp_path / "r.jsonl", "--repeats", "1"))
+    rows = []
+    rc, err, killed = bench_rollout.run_sweep_engine(
+        "plain", args, [sw.Cell(2, 16, 4), sw.Cell(8, 512, 4)], time.time() + 120, rows.append)
+    assert (rc, killed) == (0, False), err
+    assert [(r["kind"], r.get("batch")) for r in rows] == [("engine", None), ("start", 2), ("cell", 2), ("skip", 8)]
+    assert rows[0]["kv_tokens"] == 1024 and rows[0]["capture_sizes"] == [1, 2, 4, 8]  # 64 blocks of 16
