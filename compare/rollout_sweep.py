@@ -173,8 +173,10 @@ class ModelSize:
 class Rates:
     """One H100 80GB's rates behind the estimate, read off docs/rollout-profile.md and docs/cold-start.md
     (2026-11-25/26) and rounded to the slow side: the estimate is for fitting a grid into a GPU call, never
-    a measurement. Checked against the fifth run's rollouts: decode steps at 1.7B b1/b64/b256 estimate
-    2.8/5.1/11.8 ms against 2.8/4.7/10.3 ms measured, at 8B 7.6/10.4/20.9 against 7.3/9.8/19."""
+    a measurement. Checked against the fifth run's rollouts (x 512 x 256): decode steps at 1.7B b1/b64/b256
+    estimate 2.8/5.1/11.8 ms, against 2.8/4.7/10.3 ms derived from the measured tok/s less the prefill (the
+    first profile's 1.7B prefill times; about 40k tokens/s at 8B, fourth run), and at 8B 7.6/10.4/20.9 ms
+    against 7.3/9.8/19 ms derived alike."""
 
     step_floor_s: float = 2.8e-3
     """A decode step's floor: Qwen3-1.7B ran 2.8-3.1 ms a step at batch 1 and 8 (357 and 2,604 tok/s,

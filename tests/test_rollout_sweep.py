@@ -48,14 +48,15 @@ def test_grid_order_and_cells():
     assert odd == [3, 65, 129, 255, 257]  # what DEFAULT_BATCHES' docstring says
 
 
-@pytest.mark.parametrize("size,batch,measured_ms", [
+@pytest.mark.parametrize("size,batch,derived_ms", [
     (SIZE_17, 1, 2.8), (SIZE_17, 64, 4.7), (SIZE_17, 256, 10.3),   # docs/rollout-profile.md, fifth run
     (SIZE_8, 1, 7.3), (SIZE_8, 64, 9.8), (SIZE_8, 256, 19.0),
 ])
-def test_decode_step_estimate_is_on_the_slow_side_of_what_was_measured(size, batch, measured_ms):
-    """The numbers in Rates' docstring: at 512 prompt + 256 new tokens (mean context 640)."""
+def test_decode_step_estimate_is_on_the_slow_side_of_the_measured_rollouts(size, batch, derived_ms):
+    """The numbers in Rates' docstring: the step time derived from a measured rollout's tok/s less its
+    prefill, at 512 prompt + 256 new tokens (mean context 640); the estimate may be up to 25 % slower."""
     est = sw.decode_step_seconds(size, sw.Rates(), batch, 640) * 1e3
-    assert measured_ms <= est <= 1.25 * measured_ms
+    assert derived_ms <= est <= 1.25 * derived_ms
 
 
 def test_model_size_and_prefill_estimate():
