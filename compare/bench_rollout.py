@@ -2,6 +2,9 @@
 
     VLLM_BATCH_INVARIANT=1 python compare/bench_rollout.py --model DIR            # or --shape Qwen3-1.7B
     python compare/bench_rollout.py --shape Qwen3-1.7B --engines ours,ours:none,plain --json out.json
+    python compare/bench_rollout.py --sweep --shape Qwen3-8B --results sweep.jsonl [--label before]
+    python compare/bench_rollout.py --sweep --plan --shape Qwen3-8B --results sweep.jsonl   # no GPU: what a call runs
+    python compare/bench_rollout.py --plot --results a.jsonl --results b.jsonl --png docs/rollout-sweep.png
 
 Each engine runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import):
   ours        spirl.engines.vllm_engine.VLLMEngine as the trainer builds it (VLLM_BATCH_INVARIANT=1,
@@ -9,27 +12,45 @@ Each engine runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import):
               (none = eager, full, full_decode_only, piecewise)
   plain       vllm.LLM with VLLM_BATCH_INVARIANT=0 and vLLM's defaults (torch.compile + CUDA graphs):
               what a user would run instead
-Every engine gets the same --gpu-memory-utilization and generates exactly --new-tokens tokens per
+Every engine gets the same --gpu-memory-utilization and generates exactly the case's new tokens per
 prompt (min_tokens = max_tokens, ignore_eos), T = 1.0, logprobs=0 (an RL trainer needs the sampled
-tokens' logprobs either way), one completion per prompt, prompts of --prompt-len random token ids.
-Prints generated tokens/s per (batch, new tokens), the engine start time, and each engine's
-slowdown relative to `plain` (plain tokens/s / engine tokens/s). With `--repeats N` each case is
-timed N times on fresh prompts and the median is used; the spread column shows the run-to-run
-noise (at batch 1 the host's speed shows: docs/rollout-profile.md, third run).
+tokens' logprobs either way), one completion per prompt, prompts of random token ids drawn afresh for
+every run (the same ones for every engine; plain vLLM's prefix cache never serves a prefill). Each case
+is run once untimed (its prefill shapes JIT-compiled), then timed --repeats times; the median is used
+and the spread column shows the run-to-run noise (at batch 1 the host's speed shows:
+docs/rollout-profile.md, third run). Prints generated tokens/s per case, the engine start time, and
+each engine's slowdown relative to `plain` (plain tokens/s / engine tokens/s).
+
+--sweep (issue 39) runs a grid of decode batch sizes x prompt lengths (compare/rollout_sweep.py):
+each engine is built once, then runs every cell the plan fits into --budget-s; each result is
+appended to --results as one JSON line the moment it is measured, so a call cut short keeps what it
+measured and the same command resumes from there (cells measured by every engine in one call are
+skipped; the first engine's share of the budget is 1/len(engines)). At the end, and with --plot, the
+report lists the worst cells and every cell above --goal, and --png draws the heatmap (matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from compare import rollout_sweep as sw  # noqa: E402
+
+GRACE_S = 45.0
+"""How long past its deadline a sweep worker may run (finishing a cell whose estimate was too low) before
+it is killed; the cell in flight is then recorded as failed."""
 
 
 def build_llm(engine_name: str, model: str, gpu_memory_utilization: float, max_model_len: int):
@@ -47,27 +68,107 @@ def build_llm(engine_name: str, model: str, gpu_memory_utilization: float, max_m
                                        max_model_len=max_model_len, cuda_graphs=mode)).llm
 
 
+# -- the worker (one engine, in its own process, on the GPU host) ---------------------------------------
+
+
+def prompt_seed(cell: sw.Cell, role: str, repeat: int) -> int:
+    """The prompts' seed of one run of a cell: the same in every engine's process, different for every
+    (cell, role, repeat), so no prompt is ever seen twice by one engine (plain's prefix cache)."""
+    return int.from_bytes(hashlib.sha256(f"{cell}:{role}:{repeat}".encode()).digest()[:7], "little")
+
+
+def triton_build_counter():
+    """A callable returning how many Triton kernels this process has built (compiled, or loaded from the
+    disk cache) since the call: knobs.runtime.jit_post_compile_hook, chained to the hook already there
+    (vLLM's JIT monitor). None where Triton has no such hook."""
+    try:
+        from triton import knobs
+
+        previous = knobs.runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        return lambda: None
+    count = [0]
+
+    def hook(**kwargs):
+        count[0] += 1
+        return previous(**kwargs) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    return lambda: count[0]
+
+
+def time_cell(run, cell: sw.Cell, repeats: int, split_prefill: bool, builds) -> dict:
+    """A cell's timings: one untimed warm-up of min(G, WARMUP_NEW_TOKENS) new tokens, then `repeats`
+    rollouts (and, with `split_prefill`, `repeats` runs of one new token: the prefill). `run(batch,
+    prompt_len, new_tokens, seed)` -> seconds; `builds()` -> Triton kernels built so far (or None),
+    counted per phase: the warm-up's are the cell's first-run JIT cost, a timed run's taint its timing."""
+    def counted(new: int, role: str, r: int) -> tuple[float, int | None]:
+        before = builds()
+        dt = run(cell.batch, cell.prompt_len, new, prompt_seed(cell, role, r))
+        after = builds()
+        return dt, (after - before if before is not None and after is not None else None)
+
+    warm_s, warm_builds = counted(min(cell.new_tokens, sw.WARMUP_NEW_TOKENS), "warm", 0)
+    timed = [counted(cell.new_tokens, "rollout", r) for r in range(repeats)]
+    times = [t for t, _ in timed]
+    dt = statistics.median(times)
+    row = {"batch": cell.batch, "prompt_len": cell.prompt_len, "new_tokens": cell.new_tokens,
+           "seconds": round(dt, 4), "seconds_each": [round(t, 4) for t in times],
+           "tokens_per_s": round(cell.batch * cell.new_tokens / dt, 1), "warm_seconds": round(warm_s, 4),
+           "warm_triton_builds": warm_builds,
+           "timed_triton_builds": None if any(b is None for _, b in timed) else sum(b for _, b in timed)}
+    if split_prefill:
+        prefill = [counted(1, "prefill", r)[0] for r in range(repeats)]
+        row.update(prefill_seconds=round(statistics.median(prefill), 4), prefill_each=[round(t, 4) for t in prefill])
+    return row
+
+
+def _attr(obj, path: str):
+    """obj.a.b.c, or None where any part is missing (vLLM's config layout is not a stable API)."""
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def engine_facts(llm) -> dict:
+    """What the sweep records of a built engine: the decode batch sizes it captured CUDA graphs for, its
+    scheduler limits and KV-cache capacity in tokens (vLLM 0.26's config objects; None where absent)."""
+    cfg = _attr(llm, "llm_engine.vllm_config")
+    sizes = _attr(cfg, "compilation_config.cudagraph_capture_sizes")
+    kv = _attr(cfg, "cache_config.kv_cache_size_tokens")
+    blocks, block = _attr(cfg, "cache_config.num_gpu_blocks"), _attr(cfg, "cache_config.block_size")
+    if kv is None and blocks and block:
+        kv = blocks * block
+    return {"capture_sizes": sorted(int(s) for s in sizes) if sizes else [],
+            "cudagraph_mode": str(_attr(cfg, "compilation_config.cudagraph_mode")),
+            "max_num_seqs": _attr(cfg, "scheduler_config.max_num_seqs"),
+            "max_num_batched_tokens": _attr(cfg, "scheduler_config.max_num_batched_tokens"),
+            "kv_tokens": int(kv) if kv else None, "kv_block": int(block) if block else None}
+
+
 def worker(args) -> None:
-    """Build one engine, time every (batch, new tokens) case, print one JSON line per case."""
+    """Build one engine, time every case (or, with --sweep, every cell its deadline allows), print one
+    JSON line per result."""
     import torch
 
+    cells = [sw.Cell(b, p, g) for b, p, g in parse_cases(args)]
+    if args.sweep and args.deadline is None:
+        raise SystemExit("error: a --sweep worker needs --deadline (the parent passes it)")
     t0 = time.perf_counter()
     llm = build_llm(args.worker, args.model, args.gpu_memory_utilization, args.max_model_len)
     start = time.perf_counter() - t0
+    builds = triton_build_counter()
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    def prompts_for(batch: int, prompt_len: int, seed: int):
-        """Fresh random prompts for every case (the same ones for every engine): a prompt seen
-        before would be served from plain vLLM's prefix cache and skip its prefill."""
-        g = torch.Generator().manual_seed(seed)
-        return [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (prompt_len,), generator=g).tolist())
-                for _ in range(batch)]
-
     def run(batch: int, prompt_len: int, new: int, seed: int) -> float:
+        g = torch.Generator().manual_seed(seed)
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (prompt_len,), generator=g).tolist())
+                   for _ in range(batch)]
         params = SamplingParams(n=1, max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0,
                                 logprobs=0, seed=1)
-        prompts = prompts_for(batch, prompt_len, seed)
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -76,16 +177,49 @@ def worker(args) -> None:
             raise RuntimeError(f"generated {got} tokens, expected {batch * new}")
         return dt
 
-    cases = parse_cases(args)
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+
     run(8, 64, 16, seed=10**6)  # warm-up: kernels compiled, graphs touched
-    for i, (batch, prompt_len, new) in enumerate(cases):
-        run(batch, prompt_len, min(new, 8), seed=2 * 10**6 + i)  # this prefill shape's kernels compiled
-        times = [run(batch, prompt_len, new, seed=i + 1000 * r) for r in range(args.repeats)]  # fresh prompts each
-        dt = statistics.median(times)
-        print(json.dumps({"engine": args.worker, "batch": batch, "prompt_len": prompt_len,
-                          "new_tokens": new, "seconds": round(dt, 3), "seconds_each": [round(t, 3) for t in times],
-                          "tokens_per_s": round(batch * new / dt, 1), "engine_start_s": round(start, 1)}),
-              flush=True)
+    if not args.sweep:
+        for cell in cells:
+            emit({"engine": args.worker, **time_cell(run, cell, args.repeats, False, builds),
+                  "engine_start_s": round(start, 1)})
+        return
+    facts = engine_facts(llm)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    emit({"kind": "engine", "engine_start_s": round(start, 1), "gpu": gpu, **facts})
+    size = sw.ModelSize.from_config(json.loads((Path(args.model) / "config.json").read_text()))
+    sweep_cells(run, cells, facts, size, sw.Deadline(at=args.deadline), args.repeats, args.split_prefill, builds, emit)
+
+
+def sweep_cells(run, cells: list[sw.Cell], facts: dict, size: sw.ModelSize, deadline: sw.Deadline, repeats: int,
+                split_prefill: bool, builds, emit, clock=time.time) -> None:
+    """A sweep worker's loop: per cell, in order, `skip` if its sequences do not fit the engine's KV cache
+    at once, `stop` if the deadline no longer allows its estimate, else `start`, the timings
+    (time_cell) and its `cell` row; every row through emit(dict)."""
+    for i, cell in enumerate(cells):
+        if not sw.fits_kv(cell, facts.get("kv_tokens"), facts.get("kv_block") or sw.KV_BLOCK_TOKENS):
+            emit({"kind": "skip", "reason": f"KV cache: {cell.batch} sequences of {cell.prompt_len + cell.new_tokens} "
+                  f"tokens do not fit {facts.get('kv_tokens')} tokens at once", **cell_fields(cell)})
+            continue
+        estimate = sw.cell_seconds(size, sw.Rates(), cell, repeats, split_prefill)
+        if not deadline.allows(clock(), estimate):
+            emit({"kind": "stop", "reason": f"budget: {len(cells) - i} cells left, the next estimated at "
+                  f"{deadline.scale * estimate:.0f} s"})
+            return
+        emit({"kind": "start", **cell_fields(cell)})
+        t = clock()
+        row = time_cell(run, cell, repeats, split_prefill, builds)
+        deadline.record(clock() - t, estimate)
+        emit({"kind": "cell", **row})
+
+
+def cell_fields(cell: sw.Cell) -> dict:
+    return {"batch": cell.batch, "prompt_len": cell.prompt_len, "new_tokens": cell.new_tokens}
+
+
+# -- the parent: cases, or the sweep ---------------------------------------------------------------------
 
 
 def parse_cases(args) -> list[tuple[int, int, int]]:
@@ -104,28 +238,205 @@ def parse_cases(args) -> list[tuple[int, int, int]]:
             for b in map(int, args.batches.split(","))]
 
 
-def run_engine(name: str, args) -> list[dict]:
+def worker_env(name: str) -> dict:
     env = {**os.environ, "VLLM_BATCH_INVARIANT": "0" if name == "plain" else "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--batches", args.batches,
-           "--new-tokens", args.new_tokens, "--prompt-len", str(args.prompt_len), "--cases", args.cases or "",
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len", str(args.max_model_len),
-           "--repeats", str(args.repeats)]
+    return env
+
+
+def worker_cmd(name: str, args, cases: str, extra: list[str] = ()) -> list[str]:
+    return [sys.executable, __file__, "--worker", name, "--model", args.model, "--batches", args.batches,
+            "--new-tokens", args.new_tokens, "--prompt-len", str(args.prompt_len), "--cases", cases,
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len", str(args.max_model_len),
+            "--repeats", str(args.repeats), *extra]
+
+
+def stream_rows(cmd: list[str], env: dict, on_row, timeout: float | None = None) -> tuple[int, str, bool]:
+    """Run cmd, calling on_row(dict) for every stdout line that is a JSON object as it arrives (other lines
+    are vLLM's logs). Kills the process after `timeout` seconds. Returns (exit status, the end of its
+    stderr, whether it was killed)."""
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        killed = threading.Event()
+
+        def kill() -> None:
+            killed.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout, kill) if timeout is not None else None
+        if timer:
+            timer.start()
+        try:
+            for line in proc.stdout:
+                if line.startswith("{"):
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    on_row(row)
+            rc = proc.wait()
+        finally:
+            if timer:
+                timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        err.seek(0)
+        return rc, err.read()[-3000:], killed.is_set()
+
+
+def run_engine(name: str, args) -> list[dict]:
+    rows: list[dict] = []
+    cmd = worker_cmd(name, args, args.cases or "")
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rc, err, _ = stream_rows(cmd, worker_env(name), rows.append)
     for r in rows:
         print(f"   {name:24s} batch {r['batch']:4d}  prompt {r['prompt_len']:5d}  new {r['new_tokens']:5d}  {r['tokens_per_s']:10.1f} tok/s", flush=True)
-    if proc.returncode != 0:
-        print(f"   {name} FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+    if rc != 0:
+        print(f"   {name} FAILED (exit {rc}):\n{err}", flush=True)
     return rows
 
 
-def spread(row: dict) -> str:
-    """(slowest - fastest) / median of a case's repeats, as a percentage; "-" for a single timing."""
-    each = row.get("seconds_each") or []
-    return f"{100 * (max(each) - min(each)) / statistics.median(each):.1f}%" if len(each) > 1 else "-"
+def run_sweep_engine(name: str, args, cells: list[sw.Cell], deadline: float, on_row) -> tuple[int, str, bool]:
+    """One engine's worker over `cells` with a deadline (time.time() seconds); its rows go to on_row.
+    Killed GRACE_S after the deadline. Returns stream_rows' (exit status, stderr end, killed)."""
+    extra = ["--sweep", "--deadline", f"{deadline:.1f}"] + (["--split-prefill"] if args.split_prefill else [])
+    cmd = worker_cmd(name, args, ",".join(map(str, cells)), extra)
+    print(f"== {name}: {len(cells)} cells, deadline in {deadline - time.time():.0f} s", flush=True)
+    return stream_rows(cmd, worker_env(name), on_row, timeout=max(deadline - time.time(), 0.0) + GRACE_S)
+
+
+def shape_name(args) -> str:
+    """What the results call the model: --shape for a random checkpoint, else the directory's name."""
+    return args.shape if args.model is None else Path(args.model).name
+
+
+def model_size(args) -> sw.ModelSize:
+    """The estimate's model: --model's config.json, else --shape's."""
+    if args.model is not None:
+        path = Path(args.model) / "config.json"
+        if not path.is_file():
+            raise SystemExit(f"error: --model {args.model}: no config.json there; pass a checkpoint directory "
+                             "or leave --model out for a random --shape checkpoint")
+        return sw.ModelSize.from_config(json.loads(path.read_text()))
+    from torchtitan_compat.config import ConfigError, hf_config_for_shape
+
+    try:
+        return sw.ModelSize.from_config(hf_config_for_shape(args.shape))
+    except ConfigError as e:
+        raise SystemExit(f"error: --shape: {e}") from None
+
+
+def sweep_grid(args) -> list[sw.Cell]:
+    return sw.grid(sw.parse_batches(args.grid_batches), sw.parse_ints(args.grid_prompts, "--grid-prompts"),
+                   args.grid_new_tokens)
+
+
+def sweep(args, t_start: float) -> int:
+    """The sweep: plan, one worker per engine (the first runs the planned cells, the others the cells it
+    measured, so every cell of this call is measured by every engine on this machine), rows appended
+    to the first --results file as they come, then the report."""
+    engines = args.engines.split(",")
+    if sw.REFERENCE not in engines or len(engines) < 2:
+        raise SystemExit(f"error: --engines {args.engines!r}: --sweep compares engines with {sw.REFERENCE!r}; "
+                         f"name it and at least one other, e.g. ours,{sw.REFERENCE}")
+    engines = [e for e in engines if e != sw.REFERENCE] + [sw.REFERENCE]
+    cells = sweep_grid(args)
+    shape, size, rates = shape_name(args), model_size(args), sw.Rates()
+    needed = max(c.prompt_len + c.new_tokens for c in cells)
+    if args.max_model_len < needed:
+        print(f"max_model_len {args.max_model_len} -> {needed} (the grid's longest prompt + new tokens)")
+        args.max_model_len = needed
+    done = sw.done_cells(sw.load_rows(args.results), args.label, shape, engines, args.retry_failed)
+    todo = [c for c in cells if c not in done]
+    writes = args.model is None and not (Path(args.cache_dir) / f"bench-{args.shape}" / "config.json").is_file()
+    budget = args.budget_s - (time.time() - t_start)
+    pl = sw.plan(todo, size, rates, budget, len(engines), args.repeats, args.split_prefill,
+                 sw.kv_tokens_estimate(size, rates, args.gpu_memory_utilization), write_checkpoint=writes)
+    print(f"{shape}: grid {len(cells)} cells, {len(done)} done before, {len(todo)} to do; this call: {len(pl.cells)} "
+          f"cells (estimate {pl.fixed_s:.0f} s of engine starts{' and checkpoint' if writes else ''} + "
+          f"{pl.cells_s:.0f} s of cells, budget {budget:.0f} s); {len(pl.over_budget)} left for a later call; "
+          f"{len(pl.no_kv)} do not fit the KV cache (estimate)")
+    if args.plan:
+        for c in pl.cells:
+            print(f"  {c}  {sw.cell_seconds(size, rates, c, args.repeats, args.split_prefill):7.1f} s per engine")
+        return 0
+    if not pl.cells:
+        return report(args)
+    ensure_model(args)
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{socket.gethostname()}-{os.getpid()}"
+    failed = False
+    measured: list[sw.Cell] = pl.cells
+    for i, name in enumerate(engines):
+        deadline = time.time() + (t_start + args.budget_s - time.time()) / (len(engines) - i)
+        got, in_flight = [], []
+        base = {"run_id": run_id, "label": args.label, "shape": shape, "engine": name, "model": args.model}
+
+        def on_row(row: dict, base=base, got=got, in_flight=in_flight) -> None:
+            kind = row.get("kind")
+            if kind == "start":
+                in_flight[:] = [sw.Cell.of(row)]
+                return
+            if kind in ("engine", "cell", "skip"):
+                sw.append_rows(args.results[0], [{**base, **row}])
+            if kind == "cell":
+                got.append(sw.Cell.of(row))
+                in_flight.clear()
+            print(f"   {name:12s} {progress_line(row)}", flush=True)
+
+        rc, err, killed = run_sweep_engine(name, args, measured, deadline, on_row)
+        if killed or rc != 0:
+            failed = True
+            last = (err.strip().splitlines() or [""])[-1]
+            why = f"killed {GRACE_S:.0f} s after its deadline" if killed else f"exit {rc}: {last}"
+            print(f"   {name} FAILED ({why}):\n{err}", flush=True)
+            if in_flight:
+                sw.append_rows(args.results[0], [{**base, "kind": "fail", "reason": why, **cell_fields(in_flight[0])}])
+        measured = [c for c in measured if c in set(got)]
+        if not measured:
+            print(f"   no cell measured by {name}: the engines after it have nothing to compare", flush=True)
+            break
+    report(args)
+    return 1 if failed else 0
+
+
+def progress_line(row: dict) -> str:
+    kind = row.get("kind")
+    if kind == "cell":
+        return (f"batch {row['batch']:4d}  prompt {row['prompt_len']:5d}  new {row['new_tokens']:4d}  "
+                f"{row['seconds']:8.3f} s  {row['tokens_per_s']:10.1f} tok/s  spread {sw.spread(row)}")
+    if kind == "engine":
+        return (f"started in {row.get('engine_start_s')} s on {row.get('gpu')}: {len(row.get('capture_sizes') or [])} "
+                f"capture sizes up to {max(row.get('capture_sizes') or [0])}, KV cache {row.get('kv_tokens')} tokens")
+    return f"{kind}: {row.get('reason', '')} {sw.Cell.of(row) if 'batch' in row else ''}".rstrip()
+
+
+def report(args) -> int:
+    """The worst cells and the misses of every engine against plain, per label and shape, from the
+    --results files; and the heatmap when --png is given."""
+    rows = sw.load_rows(args.results)
+    if args.label is not None:
+        rows = [r for r in rows if r.get("label", "") == args.label]
+    engines = sorted({r["engine"] for r in rows if r["kind"] == "cell"} - {sw.REFERENCE})
+    found = [p for e in engines for p in sw.pairs(rows, e)]
+    if not found:
+        print(f"no cell measured by {sw.REFERENCE} and another engine in one call in {', '.join(args.results)}")
+        return 2 if args.plot else 0
+    print("\n" + "\n".join(sw.report_lines(found, worst=args.worst, goal=args.goal)))
+    for r in (r for r in rows if r["kind"] == "fail"):
+        print(f"failed: {r['engine']} {r['shape']} {sw.Cell.of(r)}: {r.get('reason')} (--retry-failed runs it again)")
+    skipped = {(r["shape"], str(sw.Cell.of(r))) for r in rows if r["kind"] == "skip"}
+    if skipped:
+        print(f"not run (KV cache too small for the batch at once): {', '.join(f'{s} {c}' for s, c in sorted(skipped))}")
+    if args.png:
+        try:
+            out = sw.heatmap(found, args.png, goal=args.goal)
+        except ImportError:
+            print("matplotlib is not installed here: run --plot with the same --results where it is (the `plot` extra)")
+        else:
+            print(f"heatmap: {out}")
+    return 0
 
 
 def ensure_model(args) -> None:
@@ -141,7 +452,7 @@ def ensure_model(args) -> None:
     args.model = str(out)
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: a random --shape checkpoint)")
     p.add_argument("--shape", default="Qwen3-1.7B", help="weights.py shape for the random checkpoint")
@@ -153,18 +464,65 @@ def main(argv=None) -> int:
     p.add_argument("--cases", help="BATCHxPROMPTxNEW,... (overrides --batches/--new-tokens/--prompt-len), "
                                    "e.g. 1x512x256,128x2048x64")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="the engines' max_model_len (--sweep raises it to the grid's longest prompt + new tokens)")
+    p.add_argument("--repeats", type=int, default=None,
                    help="time each case this many times (fresh prompts each) and report the median; the table's "
-                        "spread column is (slowest - fastest) / median, the run-to-run noise a ratio must beat")
+                        "spread column is (slowest - fastest) / median, the run-to-run noise a ratio must beat "
+                        "(default 1, with --sweep 2)")
     p.add_argument("--json")
+    g = p.add_argument_group("sweep (issue 39)")
+    g.add_argument("--sweep", action="store_true", help="run the grid --grid-batches x --grid-prompts")
+    g.add_argument("--plan", action="store_true", help="with --sweep: print the cells this call would run and "
+                                                       "their estimate, start nothing")
+    g.add_argument("--plot", action="store_true", help="report (and --png) from --results alone, start nothing")
+    g.add_argument("--grid-batches", default="default",
+                   help="decode batch sizes: integers, ranges (1-512) and the words default (24 sizes, "
+                        "rollout_sweep.DEFAULT_BATCHES), capture (vLLM 0.26's 51 capture sizes on an H100), "
+                        "odd (one size past each capture size with a gap above it)")
+    g.add_argument("--grid-prompts", default=",".join(map(str, sw.DEFAULT_PROMPTS)), help="prompt lengths")
+    g.add_argument("--grid-new-tokens", type=int, default=sw.DEFAULT_NEW_TOKENS, help="new tokens per sequence")
+    g.add_argument("--budget-s", type=float, default=540.0,
+                   help="wall clock of the whole command (checkpoint, engine starts, cells); cells left over "
+                        "are run by the same command again (default 540: a 600 s GPU call with a minute spare)")
+    g.add_argument("--results", action="append", default=[],
+                   help="JSON-lines results file; new rows go to the first, all are read (resume, report); "
+                        "repeat it to merge the files of several calls")
+    g.add_argument("--label", default=None, help="tag for this sweep's rows, e.g. before / after (default '')")
+    g.add_argument("--split-prefill", action="store_true",
+                   help="also time each cell's prefill alone (one new token), for the decode-step ratio")
+    g.add_argument("--retry-failed", action="store_true",
+                   help="run cells again that crashed an engine or did not fit its KV cache before")
+    g.add_argument("--png", help="write the heatmap here (needs matplotlib), e.g. docs/rollout-sweep.png")
+    g.add_argument("--worst", type=int, default=10, help="cells listed per shape besides every miss")
+    g.add_argument("--goal", type=float, default=sw.GOAL, help="a cell above this time ratio is a miss")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 2 if args.sweep else 1
     if args.repeats < 1:
         raise SystemExit(f"error: --repeats {args.repeats}: must be 1 or more")
+    if (args.sweep or args.plot) and not args.worker and not args.results:
+        raise SystemExit("error: --sweep and --plot need --results FILE (JSON lines; an absent file starts a new sweep)")
+    if args.sweep and args.plot:
+        raise SystemExit("error: --sweep and --plot: pick one (--sweep reports at its end)")
+    if args.sweep and not args.worker and (args.budget_s <= 0 or args.grid_new_tokens < 1):
+        raise SystemExit(f"error: --budget-s {args.budget_s} and --grid-new-tokens {args.grid_new_tokens} must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    t_start = time.time()
+    args = parse_args(argv)
     if args.worker:
         worker(args)
         return 0
+    if args.plot:
+        return report(args)
+    if args.sweep:
+        args.label = args.label or ""
+        return sweep(args, t_start)
     parse_cases(args)  # a bad --cases fails here, before any engine starts
     ensure_model(args)
     rows = [r for name in args.engines.split(",") for r in run_engine(name, args)]
@@ -176,7 +534,7 @@ def main(argv=None) -> int:
         r["slowdown_vs_plain"] = round(ref / r["tokens_per_s"], 3) if ref else None
         print(f"{r['engine']:24s} {r['batch']:5d} {r['prompt_len']:6d} {r['new_tokens']:5d} {r['tokens_per_s']:10.1f} "
               f"{ref or float('nan'):12.1f} {r['slowdown_vs_plain'] or float('nan'):9.3f}x {r['engine_start_s']:8.1f} "
-              f"{spread(r):>7s}")
+              f"{sw.spread(r):>7s}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
     failed = {r["engine"] for r in rows} != set(args.engines.split(","))
@@ -184,4 +542,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spirl.core.errors import run_cli
+
+    sys.exit(run_cli(main, prog="bench_rollout.py"))

@@ -1,9 +1,16 @@
 """compare/bench_rollout.py's host side (the engines themselves run on the GPU host): case parsing,
-the slowdown against plain, and the spread of repeated timings."""
+the slowdown against plain, the spread of repeated timings; and the sweep's (issue 39): a cell's timings
+and Triton build counts, the engine facts read from vLLM's config, the worker's skip/stop loop, the
+streamed worker output and its kill, and the parent's plan, resume, failure rows, report and plot, all
+with fake engines speaking the worker's protocol."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import sys
+import time
 
 import pytest
 
@@ -35,3 +42,319 @@ def test_bad_arguments_are_one_line(tmp_path):
         bench_rollout.main(["--model", str(tmp_path), "--cases", "8x512"])  # before any engine starts
     with pytest.raises(SystemExit, match="expected BATCHxPROMPTxNEW"):
         bench_rollout.main(["--model", str(tmp_path), "--cases", "8x0x256"])
+
+
+# -- the sweep (issue 39): every host-side path, with fake engines and recorded timings ---------------------
+
+from types import SimpleNamespace  # noqa: E402
+
+from compare import rollout_sweep as sw  # noqa: E402
+from torchtitan_compat.config import hf_config_for_shape  # noqa: E402
+
+
+def test_time_cell_warms_up_then_times_fresh_prompts_and_counts_triton_builds():
+    calls, built = [], [0]
+
+    def run(batch, prompt_len, new, seed):
+        calls.append((batch, prompt_len, new, seed))
+        if len(calls) == 1:
+            built[0] += 3  # the warm-up compiles this prefill shape's kernels
+        return {64: 0.5 + 0.1 * len(calls), 1: 0.05, 8: 0.1}[new]
+
+    cell = sw.Cell(200, 16, 64)
+    row = bench_rollout.time_cell(run, cell, 3, True, lambda: built[0])
+    assert [c[2] for c in calls] == [8, 64, 64, 64, 1, 1, 1]  # warm-up, rollouts, prefills
+    assert all(c[:2] == (200, 16) for c in calls) and len({c[3] for c in calls}) == 7  # fresh prompts every run
+    assert row["seconds_each"] == [0.7, 0.8, 0.9] and row["seconds"] == 0.8 and row["tokens_per_s"] == 16000.0
+    assert (row["warm_triton_builds"], row["timed_triton_builds"]) == (3, 0)
+    assert row["prefill_seconds"] == 0.05 and row["prefill_each"] == [0.05] * 3
+    again = []
+    bench_rollout.time_cell(lambda *a: again.append(a) or 1.0, cell, 3, False, lambda: None)
+    assert [a[3] for a in again] == [c[3] for c in calls[:4]]  # the other engine's process: the same prompts
+    short = bench_rollout.time_cell(lambda *a: 1.0, sw.Cell(1, 16, 4), 1, False, lambda: None)
+    assert short["warm_triton_builds"] is None and "prefill_seconds" not in short
+
+
+def test_engine_facts_read_vllms_config_and_tolerate_its_absence():
+    cfg = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_capture_sizes=[8, 1, 4, 2],
+                                                              cudagraph_mode="FULL_DECODE_ONLY"),
+                          scheduler_config=SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=16384),
+                          cache_config=SimpleNamespace(kv_cache_size_tokens=None, num_gpu_blocks=1000, block_size=16))
+    facts = bench_rollout.engine_facts(SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=cfg)))
+    assert facts == {"capture_sizes": [1, 2, 4, 8], "cudagraph_mode": "FULL_DECODE_ONLY", "max_num_seqs": 1024,
+                     "max_num_batched_tokens": 16384, "kv_tokens": 16000, "kv_block": 16}
+    cfg.cache_config.kv_cache_size_tokens = 15000
+    assert bench_rollout.engine_facts(SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=cfg)))["kv_tokens"] == 15000
+    assert bench_rollout.engine_facts(object()) == {"capture_sizes": [], "cudagraph_mode": "None", "max_num_seqs": None,
+                                                    "max_num_batched_tokens": None, "kv_tokens": None, "kv_block": None}
+
+
+def test_triton_build_counter_chains_the_hook_already_there(monkeypatch):
+    knobs = pytest.importorskip("triton").knobs
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw["fn"]))
+    builds = bench_rollout.triton_build_counter()
+    assert builds() == 0
+    knobs.runtime.jit_post_compile_hook(fn="k1", key=1)
+    knobs.runtime.jit_post_compile_hook(fn="k2", key=2)
+    assert builds() == 2 and seen == ["k1", "k2"]  # vLLM's JIT monitor still sees every build
+
+
+def test_sweep_worker_loop_skips_stops_and_times():
+    size = sw.ModelSize.from_config(hf_config_for_shape("Qwen3-1.7B"))
+    now = [1000.0]
+
+    def run(batch, prompt_len, new, seed):
+        now[0] += 3.0  # every run 3 s: far slower than the estimate, so the deadline scales up
+        return 3.0
+
+    cells = [sw.Cell(1, 16, 64), sw.Cell(64, 8192, 64), sw.Cell(8, 16, 64), sw.Cell(16, 16, 64)]
+    rows = []
+    bench_rollout.sweep_cells(run, cells, {"kv_tokens": 100_000, "kv_block": 16}, size, sw.Deadline(at=1015.0), 2,
+                              False, lambda: 0, rows.append, clock=lambda: now[0])
+    kinds = [(r["kind"], r.get("batch")) for r in rows]
+    # 1x16: 9 s, 24x its estimate. 64x8192 needs 528k KV tokens: skipped. 8x16 would end at 1009 + 24 x its
+    # estimate (0.4 s) > 1015: stop.
+    assert kinds == [("start", 1), ("cell", 1), ("skip", 64), ("stop", None)]
+    assert rows[1]["seconds"] == 3.0 and "4 cells left" not in rows[3]["reason"] and "2 cells left" in rows[3]["reason"]
+
+
+def test_stream_rows_reads_json_lines_as_they_come_and_kills_at_the_timeout():
+    script = ("import json, sys, time\n"
+              "print('INFO vLLM log line'); print(json.dumps({'kind': 'start', 'batch': 1}), flush=True)\n"
+              "print('{not json'); print(json.dumps({'kind': 'cell', 'batch': 1}), flush=True)\n"
+              "sys.stderr.write('a warning\\n'); sys.stderr.flush()\n"
+              "time.sleep(float(sys.argv[1])); print(json.dumps({'kind': 'never'}))\n")
+    got = []
+    rc, err, killed = bench_rollout.stream_rows([sys.executable, "-c", script, "30"], dict(os.environ), got.append,
+                                                timeout=3.0)
+    assert killed and rc != 0 and [r["kind"] for r in got] == ["start", "cell"] and "a warning" in err
+    got.clear()
+    rc, err, killed = bench_rollout.stream_rows([sys.executable, "-c", script, "0"], dict(os.environ), got.append)
+    assert (rc, killed, [r["kind"] for r in got]) == (0, False, ["start", "cell", "never"])
+
+
+SECONDS = {"ours": {1: 0.30, 8: 0.33, 255: 1.40, 256: 1.00}, "plain": {1: 0.29, 8: 0.33, 255: 1.00, 256: 1.02}}
+"""Recorded-style timings per engine and batch (x (1 + P / 1024) for the prompt): batch 255 is the miss."""
+
+
+class FakeEngines:
+    """run_sweep_engine's stand-in: speaks the worker's protocol (engine, start, cell, stop rows) with the
+    timings above. `stop_after[name]`: the cells that engine measures before its budget stops it;
+    `crash[name]`: a cell at which it dies (exit 1, after its start row)."""
+
+    def __init__(self, stop_after=None, crash=None):
+        self.stop_after, self.crash, self.given = stop_after or {}, crash or {}, []
+
+    def __call__(self, name, args, cells, deadline, on_row):
+        self.given.append((name, [str(c) for c in cells]))
+        assert deadline > time.time()
+        on_row({"kind": "engine", "engine_start_s": 30.0, "gpu": "fake", "capture_sizes": sw.capture_sizes(),
+                "kv_tokens": 500_000, "kv_block": 16})
+        for i, cell in enumerate(cells):
+            if i == self.stop_after.get(name):
+                on_row({"kind": "stop", "reason": f"budget: {len(cells) - i} cells left"})
+                return 0, "", False
+            on_row({"kind": "start", **bench_rollout.cell_fields(cell)})
+            if str(cell) == self.crash.get(name):
+                return 1, "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory", False
+            s = SECONDS[name][cell.batch] * (1 + cell.prompt_len / 1024)
+            on_row({"kind": "cell", **bench_rollout.cell_fields(cell), "seconds": s, "seconds_each": [s, s],
+                    "tokens_per_s": cell.batch * cell.new_tokens / s})
+        return 0, "", False
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "q17"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(hf_config_for_shape("Qwen3-1.7B")))
+    return d
+
+
+def _sweep_argv(model_dir, results, *extra):
+    return ["--sweep", "--model", str(model_dir), "--results", str(results), "--grid-batches", "1,8,255,256",
+            "--grid-prompts", "16,512", *extra]
+
+
+def test_sweep_resumes_pairs_within_a_call_and_reports(monkeypatch, tmp_path, model_dir, capsys):
+    results = tmp_path / "out" / "sweep.jsonl"
+    fake = FakeEngines(stop_after={"ours": 5})
+    monkeypatch.setattr(bench_rollout, "run_sweep_engine", fake)
+    assert bench_rollout.main(_sweep_argv(model_dir, results)) == 0
+    grid = ["1x16x64", "8x16x64", "1x512x64", "255x16x64", "8x512x64", "256x16x64", "255x512x64", "256x512x64"]
+    assert fake.given == [("ours", grid), ("plain", grid[:5])]  # plain runs what ours measured
+    out = capsys.readouterr().out
+    assert "q17: ours / plain, 5 cells; worst 1.400x at batch 255 x prompt 16; 1 above 1.05x" in out
+    rows = sw.load_rows([results])
+    assert {r["kind"] for r in rows} == {"engine", "cell"} and len({r["run_id"] for r in rows}) == 1
+    assert all(r["shape"] == "q17" and r["label"] == "" and r["model"] == str(model_dir) for r in rows)
+
+    fake2 = FakeEngines()
+    monkeypatch.setattr(bench_rollout, "run_sweep_engine", fake2)
+    assert bench_rollout.main(_sweep_argv(model_dir, results)) == 0  # the same command again: the rest
+    assert fake2.given == [("ours", grid[5:]), ("plain", grid[5:])]
+    assert "8 cells; worst 1.400x" in capsys.readouterr().out
+    fake3 = FakeEngines()
+    monkeypatch.setattr(bench_rollout, "run_sweep_engine", fake3)
+    assert bench_rollout.main(_sweep_argv(model_dir, results, "--label", "after")) == 0  # a new label starts over
+    assert fake3.given[0] == ("ours", grid)
+    monkeypatch.setattr(bench_rollout, "run_sweep_engine", None)  # nothing left: no engine starts
+    assert bench_rollout.main(_sweep_argv(model_dir, results)) == 0
+    assert "0 to do" in capsys.readouterr().out
+
+
+def test_sweep_records_a_crashed_cell_and_skips_it_next_time(monkeypatch, tmp_path, model_dir, capsys):
+    results = tmp_path / "sweep.jsonl"
+    monkeypatch.setattr(bench_rollout, "run_sweep_engine", FakeEngines(crash={"plain": "255x16x64"}))
+    assert bench_rollout.main(_sweep_argv(model_dir, results, "--grid-prompts", "16")) == 1
+    out = capsys.readouterr().out
+    assert "plain FAILED (exit 1: torch.OutOfMemoryError: CUDA out of memory)" in out
+    assert "failed: plain q17 255x16x64" in out and "2 cells; worst" in out  # 1 and 8 were paired
+    fake = FakeEngines()
+    monkeypatch.setattr(bench_rollout, "run_sweep_engine", fake)
+    assert bench_rollout.main(_sweep_argv(model_dir, results, "--grid-prompts", "16")) == 0
+    assert fake.given[0] == ("ours", ["256x16x64"])  # 255 crashed an engine: not again ...
+    monkeypatch.setattr(bench_rollout, "run_sweep_engine", fake := FakeEngines())
+    assert bench_rollout.main(_sweep_argv(model_dir, results, "--grid-prompts", "16", "--retry-failed")) == 0
+    assert fake.given[0] == ("ours", ["255x16x64"])  # ... unless asked
+
+
+def test_plan_starts_nothing_and_plot_reads_merged_files(monkeypatch, tmp_path, model_dir, capsys):
+    monkeypatch.setattr(bench_rollout, "run_sweep_engine", None)
+    assert bench_rollout.main(_sweep_argv(model_dir, tmp_path / "none.jsonl", "--plan")) == 0
+    out = capsys.readouterr().out
+    assert "this call: 8 cells" in out and "  255x512x64 " in out
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    monkeypatch.setattr(bench_rollout, "run_sweep_engine", FakeEngines())
+    assert bench_rollout.main(_sweep_argv(model_dir, a, "--grid-prompts", "16")) == 0
+    assert bench_rollout.main(_sweep_argv(model_dir, b, "--grid-prompts", "512")) == 0
+    capsys.readouterr()
+    png = tmp_path / "docs" / "sweep.png"
+    assert bench_rollout.main(["--plot", "--results", str(a), "--results", str(b), "--png", str(png), "--worst", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "q17: ours / plain, 8 cells; worst 1.400x at batch 255 x prompt 16; 2 above 1.05x" in out
+    if importlib.util.find_spec("matplotlib"):
+        assert png.read_bytes()[:4] == b"\x89PNG" and f"heatmap: {png}" in out
+    assert bench_rollout.main(["--plot", "--results", str(tmp_path / "none.jsonl")]) == 2
+
+
+def test_sweep_arguments_are_one_line(tmp_path, model_dir):
+    with pytest.raises(SystemExit, match="need --results"):
+        bench_rollout.main(["--sweep", "--model", str(model_dir)])
+    with pytest.raises(SystemExit, match="pick one"):
+        bench_rollout.main(["--sweep", "--plot", "--results", "x"])
+    with pytest.raises(SystemExit, match="compares engines with 'plain'"):
+        bench_rollout.main(_sweep_argv(model_dir, tmp_path / "r", "--engines", "ours,ours:none"))
+    with pytest.raises(SystemExit, match="--grid-batches"):
+        bench_rollout.main(_sweep_argv(model_dir, tmp_path / "r", "--grid-batches", "0"))
+    with pytest.raises(SystemExit, match="no config.json"):
+        bench_rollout.main(_sweep_argv(tmp_path, tmp_path / "r", "--plan"))
+    with pytest.raises(SystemExit, match="--budget-s"):
+        bench_rollout.main(_sweep_argv(model_dir, tmp_path / "r", "--budget-s", "0"))
+
+
+class FakeLLM:
+    """vllm.LLM's surface the worker uses: generate() of exactly max_tokens tokens, and a config."""
+
+    def __init__(self):
+        self.calls = []
+        cache = SimpleNamespace(kv_cache_size_tokens=20_000, num_gpu_blocks=None, block_size=16)
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
+            compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8], cudagraph_mode="FULL_DECODE_ONLY"),
+            scheduler_config=SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=16384), cache_config=cache))
+
+    def generate(self, prompts, params, use_tqdm):
+        self.calls.append(([len(p["prompt_token_ids"]) for p in prompts], params.max_tokens, params.min_tokens,
+                           params.ignore_eos, tuple(p["prompt_token_ids"][0] for p in prompts)))
+        token_ids = list(range(params.max_tokens))
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids)]) for _ in prompts]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """The worker in this process, with vllm's SamplingParams/TokensPrompt and build_llm faked."""
+    vllm = SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", SimpleNamespace(TokensPrompt=dict))
+    llm = FakeLLM()
+    monkeypatch.setattr(bench_rollout, "build_llm", lambda *a: llm)
+    return llm
+
+
+def test_worker_sweep_mode_speaks_the_protocol(fake_vllm, model_dir, capsys):
+    argv = ["--worker", "plain", "--sweep", "--model", str(model_dir), "--cases", "2x16x4,4x8192x4,2x32x4",
+            "--deadline", str(time.time() + 300), "--repeats", "2", "--split-prefill"]
+    assert bench_rollout.main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["kind"], r.get("batch"), r.get("prompt_len")) for r in rows] == [
+        ("engine", None, None), ("start", 2, 16), ("cell", 2, 16), ("skip", 4, 8192), ("start", 2, 32), ("cell", 2, 32)]
+    assert rows[0]["capture_sizes"] == [1, 2, 4, 8] and rows[0]["kv_tokens"] == 20_000 and rows[0]["gpu"] == "no GPU"
+    assert "4 sequences of 8196 tokens do not fit 20000" in rows[3]["reason"]
+    assert set(rows[2]) >= {"seconds", "seconds_each", "prefill_seconds", "warm_triton_builds", "tokens_per_s"}
+    # the engine warm-up, then per cell: warm-up (4 new tokens), 2 rollouts, 2 prefills of one token
+    assert [(c[0], c[1]) for c in fake_vllm.calls] == [([64] * 8, 16)] + [
+        ([16, 16], 4), ([16, 16], 4), ([16, 16], 4), ([16, 16], 1), ([16, 16], 1),
+        ([32, 32], 4), ([32, 32], 4), ([32, 32], 4), ([32, 32], 1), ([32, 32], 1)]
+    assert all(c[1] == c[2] and c[3] for c in fake_vllm.calls)  # exactly max_tokens, ignore_eos
+    firsts = [c[4] for c in fake_vllm.calls]
+    assert len(set(firsts)) == len(firsts)  # fresh prompts every run
+
+
+def test_worker_cases_mode_rows_feed_the_table(fake_vllm, model_dir, capsys):
+    assert bench_rollout.main(["--worker", "ours", "--model", str(model_dir), "--cases", "8x512x16", "--repeats", "3"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["engine"] == "ours" and len(row["seconds_each"]) == 3 and row["tokens_per_s"] > 0
+    assert "engine_start_s" in row and "kind" not in row
+    with pytest.raises(SystemExit, match="needs --deadline"):
+        bench_rollout.main(["--worker", "ours", "--sweep", "--model", str(model_dir), "--cases", "8x512x16"])
+
+
+def test_the_parents_worker_command_parses_as_meant(model_dir, tmp_path):
+    args = bench_rollout.parse_args(_sweep_argv(model_dir, tmp_path / "r.jsonl", "--split-prefill", "--repeats", "3"))
+    cells = [sw.Cell(8, 16, 64), sw.Cell(255, 512, 64)]
+    cmd = bench_rollout.worker_cmd("plain", args, ",".join(map(str, cells)),
+                                   ["--sweep", "--deadline", "1234.5", "--split-prefill"])
+    assert cmd[:2] == [sys.executable, bench_rollout.__file__]
+    w = bench_rollout.parse_args(cmd[2:])
+    assert (w.worker, w.sweep, w.deadline, w.split_prefill, w.repeats, w.model) == ("plain", True, 1234.5, True, 3,
+                                                                                      str(model_dir))
+    assert [sw.Cell(*c) for c in bench_rollout.parse_cases(w)] == cells
+
+
+FAKE_VLLM = '''
+"""A stand-in for vllm in a worker subprocess (tests/test_bench_rollout.py): LLM, SamplingParams, TokensPrompt."""
+from types import SimpleNamespace
+
+
+class SamplingParams(SimpleNamespace):
+    pass
+
+
+class LLM:
+    def __init__(self, model, **kw):
+        cfg = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8],
+                                                                 cudagraph_mode="NONE"),
+                              scheduler_config=SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=16384),
+                              cache_config=SimpleNamespace(kv_cache_size_tokens=None, num_gpu_blocks=64, block_size=16))
+        self.llm_engine = SimpleNamespace(vllm_config=cfg)
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * params.max_tokens)]) for _ in prompts]
+'''
+
+
+def test_a_real_worker_process_streams_its_rows(monkeypatch, tmp_path, model_dir):
+    """The parent's command, environment and stream end to end, with vllm replaced by FAKE_VLLM."""
+    fake = tmp_path / "fake_site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "inputs.py").write_text("TokensPrompt = dict\n")
+    monkeypatch.setenv("PYTHONPATH", f"{fake.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    args = bench_rollout.parse_args(_sweep_argv(model_dir, tmp_path / "r.jsonl", "--repeats", "1"))
+    rows = []
+    rc, err, killed = bench_rollout.run_sweep_engine(
+        "plain", args, [sw.Cell(2, 16, 4), sw.Cell(8, 512, 4)], time.time() + 120, rows.append)
+    assert (rc, killed) == (0, False), err
+    assert [(r["kind"], r.get("batch")) for r in rows] == [("engine", None), ("start", 2), ("cell", 2), ("skip", 8)]
+    assert rows[0]["kv_tokens"] == 1024 and rows[0]["capture_sizes"] == [1, 2, 4, 8]  # 64 blocks of 16

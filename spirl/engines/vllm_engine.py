@@ -66,10 +66,12 @@ class VLLMEngineConfig:
     prompts). Tensor-parallel engines for models larger than one GPU would set
     tensor_parallel_size > 1 here: vLLM then groups consecutive ranks into one engine."""
     max_num_seqs: int | None = None
-    """Most sequences in one engine step (vLLM's max_num_seqs; None: vLLM's default, 256). vLLM
-    captures decode CUDA graphs only up to twice this many sequences and JIT-compiles the kernels of
-    those sizes at start-up, so a job that generates a handful of sequences (run_comparison.sh)
-    starts faster with it set to that count. Batch-invariant mode: no effect on any sequence's bits."""
+    """Most sequences in one engine step (vLLM's max_num_seqs; None: vLLM 0.26.0's default for
+    `vllm.LLM`, 1024 on a GPU of 70 GiB or more that is not an A100, such as an H100, else 256). vLLM
+    captures decode CUDA graphs only up to twice this many sequences (at most 512: 51 sizes on an H100
+    by default) and JIT-compiles the kernels of those sizes at start-up, so a job that generates a
+    handful of sequences (run_comparison.sh) starts faster with it set to that count. Batch-invariant
+    mode: no effect on any sequence's bits."""
     model_args: object = None
     """The checkpoint's torchtitan model args when the caller has read and checked its config.json
     already (spirl.core.policy.build_engine passes its ModelDir's): the engine's own check uses them
