@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -212,19 +213,41 @@ def shard_of(items: list, world: World) -> list:
     return items[world.rank * n:(world.rank + 1) * n]
 
 
-def one_local_rank_at_a_time(world: World, fn):
-    """Collective: `fn()` run by the ranks of each host one after another (by local rank), every rank
-    waiting at a barrier between turns; returns this rank's result. For work whose host memory peaks
-    (reading a checkpoint): N ranks of a host then need one peak, not N at once. `fn` must not be
-    collective itself."""
+TURN_TIMEOUT = timedelta(hours=2)
+"""How long a rank waits for the ranks before it in `one_local_rank_at_a_time` (a dead one is found sooner by
+spirl.core.faults)."""
+
+
+def job_store():
+    """A client of the job's c10d store (torchrun's TCPStore at MASTER_ADDR:MASTER_PORT, or rank 0's), a
+    connection of its own: usable from any thread, and waits on it are not collectives (no NCCL timeout)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=30), wait_for_workers=False)
+
+
+def job_key(name: str) -> str:
+    """A store key of this job's current attempt (torchrun's run id and restart count)."""
+    return "spirl/{}/{}/{}".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
+                                   os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), name)
+
+
+def one_local_rank_at_a_time(world: World, fn, store=None):
+    """Collective: `fn()` run by the ranks of each host one after another (by local rank); returns this
+    rank's result once every rank's is done. For work whose host memory peaks (reading a checkpoint): N
+    ranks of a host then need one peak, not N at once. The waits are on the job's store, not NCCL
+    collectives, so no collective timeout limits how long the turns take. `fn` must not be collective."""
     if not world.sharded:
         return fn()
-    turns = int(world.all_max(float(os.environ.get("LOCAL_WORLD_SIZE", world.size))))
-    out = None
-    for turn in range(turns):
-        if world.local_rank == turn:
-            out = fn()
-        world.barrier()
+    import socket
+
+    store = store or job_store()
+    host = socket.gethostname()
+    if world.local_rank:
+        store.wait([job_key(f"turn/{host}/{world.local_rank - 1}")], TURN_TIMEOUT)
+    out = fn()
+    store.set(job_key(f"turn/{host}/{world.local_rank}"), "1")
+    store.set(job_key(f"turn-done/{world.rank}"), "1")
+    store.wait([job_key(f"turn-done/{r}") for r in range(world.size)], TURN_TIMEOUT)
     return out
 
 

@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from datetime import timedelta
 
 from .errors import EXIT_PEER_FAILED
 
@@ -77,8 +76,11 @@ class PeerWatch:
                  stale_after: float = 10.0, prefix: str | None = None, exit=os._exit):
         self.rank, self.peers = rank, peers
         self.interval, self.stale_after = interval, stale_after
-        self.prefix = prefix if prefix is not None else "spirl/{}/{}".format(
-            os.environ.get("TORCHELASTIC_RUN_ID", "run"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if prefix is None:
+            from .distributed import job_key
+
+            prefix = job_key("watch")
+        self.prefix = prefix
         self.store = store if store is not None else _connect()
         self._exit = exit
         self._host = socket.gethostname()
@@ -258,8 +260,6 @@ class PeerWatch:
 
 
 def _connect():
-    """A client of the job's c10d store (torchrun's, or rank 0's under a plain env:// launch)."""
-    import torch.distributed as dist
+    from .distributed import job_store
 
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=30), wait_for_workers=False)
+    return job_store()
