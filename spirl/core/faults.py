@@ -81,7 +81,11 @@ class PeerWatch:
 
             prefix = job_key("watch")
         self.prefix = prefix
-        self.store = store if store is not None else _connect()
+        if store is None:
+            from .distributed import job_store
+
+            store = job_store()
+        self.store = store
         self._exit = exit
         self._host = socket.gethostname()
         self._stop = threading.Event()
@@ -257,9 +261,3 @@ class PeerWatch:
         deadline = time.monotonic() + (limit if host == self._host else limit / 2)
         while time.monotonic() < deadline and not (host == self._host and _process_gone(pid)):
             time.sleep(0.1)
-
-
-def _connect():
-    from .distributed import job_store
-
-    return job_store()

@@ -89,17 +89,17 @@ class LoRAPolicy(Policy):
     merge_phase = "lora_merge"
 
     def reduce_grads(self) -> None:
-        """Several ranks: the mean over ranks of each adapter gradient. Each rank's loss is its own
-        samples' mean and every rank holds as many samples, so the mean of the ranks' gradients is the
-        gradient of the mean over all samples. One all-reduce (sum) of every gradient flattened into
-        one float32 buffer, in parameter order, then a division by the rank count; every rank receives
-        the same sum, so every replica takes the same optimizer step."""
+        """Several ranks: the mean over ranks of each adapter gradient. Each rank's loss is its share of the
+        mini-batch's loss times the rank count (normalizers over every rank: spirl/loops/loss.py), so the
+        mean of the ranks' gradients is the gradient of the mini-batch's loss. One all-reduce (sum) of
+        every gradient flattened into one float32 buffer, in parameter order, then a division by the rank
+        count; every rank receives the same sum, so every replica takes the same optimizer step."""
         world = self.world
         if not world.sharded:
             return
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        params = [p for p in self.masters.values()]
+        params = list(self.masters.values())
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = _flatten_dense_tensors(grads)
         world.all_reduce_sum_(flat)

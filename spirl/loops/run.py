@@ -333,9 +333,8 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
         if not world.sharded:
             engine.close()  # frees the GPU and ends vLLM's torch.distributed world: a clean exit
     if world.sharded:  # every rank done before the shared process group goes
-        watch.done()
+        watch.done()  # a rank that ends first is no failure (train() closes the watch)
         world.barrier()
-        watch.close()
         engine.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -360,6 +359,8 @@ def _stop_early(cfg: TrainConfig, when: str, progress: dict, save) -> None:
         how = f"continue with --resume {root}"
     log.warning("stopped by SIGTERM %s: the last completed step is %s; %s", when,
                 done if done is not None else progress["saved"], how)
+
+
 def _data_position(resumed, task) -> int:
     """Where a task read in order (a dataset, reasoning-gym) continues: the resumed checkpoint's position,
     else 0."""

@@ -103,6 +103,7 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
     dist = sampling_dist(cfg)
     weights = minibatch_weights(cfg, samples, world)  # normalizers over the whole mini-batch, every rank
     slices: list[slice | None] = list(token_budget_slices([len(s.ids) for s in samples], cfg.max_tokens_per_microbatch))
+    bad: float | None = None  # this rank's non-finite loss, if it met one
     if policy.fsdp:
         slices += [None] * (int(world.all_max(len(slices))) - len(slices))
     for sl in slices:
@@ -116,12 +117,11 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
             loss, m = grpo_loss(lp, pad(old_lps[sl])[0].to(device), ref, adv[sl].to(device), mask,
                                 cfg.clip_eps, cfg.kl_coef, pad(ent)[0], cfg.entropy_coef, LossMenu.from_config(cfg),
                                 weights[sl])
-        finite = bool(torch.isfinite(loss))
-        if not finite:
-            nonfinite = float(loss.detach())
-        if policy.fsdp and world.any(not finite):  # every rank is at the same pass: decide now
-            _raise_nonfinite(nonfinite if not finite else None)
-        if not finite:  # replicated model: the ranks decide together after their own passes
+        if not torch.isfinite(loss):
+            bad = float(loss.detach())
+        if policy.fsdp and world.any(bad is not None):  # every rank is at the same pass: decide now
+            _raise_nonfinite(bad)
+        if bad is not None:  # replicated model: the ranks decide together after their own passes
             break
         w = 0.0 if padding else 1.0  # each part's loss carries its share of the mini-batch's normalizer
         with timed(times, "backward"):
@@ -130,8 +130,8 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
         if not padding:
             for k, v in {"loss": float(loss.detach()), **m}.items():
                 sums[k] = sums.get(k, 0.0) + w * v
-    if not policy.fsdp and world.any(not finite):
-        _raise_nonfinite(nonfinite if not finite else None)
+    if not policy.fsdp and world.any(bad is not None):
+        _raise_nonfinite(bad)
     sums = world.mean_over_ranks(sums)  # each rank's share is scaled by the ranks: their mean is the sum
     with timed(times, "optimizer"):
         policy.reduce_grads()
