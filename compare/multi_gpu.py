@@ -58,9 +58,12 @@ class RunFailed(RuntimeError):
 
 
 def _env(args, gpus: str | None = None) -> dict:
+    """`gpus`: indices among the GPUs this script sees (its own CUDA_VISIBLE_DEVICES, if set: two of these scripts
+    can share a host, each on its own GPUs)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if gpus is not None and args.engine == "vllm":
-        env["CUDA_VISIBLE_DEVICES"] = gpus
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(seen.split(",")[int(i)] for i in gpus.split(",")) if seen else gpus
     return env
 
 

@@ -42,3 +42,18 @@ def test_a_non_empty_out_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "compare" / "multi_gpu.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "is not empty" in proc.stderr
+
+
+def test_gpu_indices_are_among_the_gpus_the_script_sees(monkeypatch):
+    """Two of these scripts share a 4-GPU host, each given two GPUs: a run on "GPU 0" is on the script's first."""
+    from argparse import Namespace
+
+    from compare.multi_gpu import _env
+
+    args = Namespace(engine="vllm")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert _env(args, "0")["CUDA_VISIBLE_DEVICES"] == "2"
+    assert _env(args, "1,0")["CUDA_VISIBLE_DEVICES"] == "3,2"
+    assert _env(args)["CUDA_VISIBLE_DEVICES"] == "2,3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert _env(args, "1")["CUDA_VISIBLE_DEVICES"] == "1"

@@ -50,16 +50,27 @@ class Environment(Protocol):
 
 
 def turn_seed(seed: int, episode: int, turn: int) -> int:
-    """A distinct sampling seed for every (episode, turn) of a step."""
+    """A distinct sampling seed for every (episode, turn) of a step (`episode`: its index among every rank's)."""
     return (seed * 1_000_003 + turn * 100_003 + episode) % (2**31)
+
+
+def prompt_seeds(seed: int, first: int, count: int, group_size: int) -> list[int]:
+    """The sampling seeds of `count` prompts, the first of which is prompt `first` of the round (its index among
+    every rank's prompts): prompt p's request of group_size samples gets seed + p x group_size, and vLLM seeds
+    its samples s, s+1, ... (VLLMEngine.seeds_children), so every sample of a round has a random stream of its
+    own. One seed for every prompt would draw the same noise for sample j of each prompt: the samples of
+    different groups would be correlated (on a random model, the same tokens from the second one on). A
+    prompt's seeds do not depend on how many ranks share the round."""
+    return [(seed + (first + i) * group_size) % (2**31) for i in range(count)]
 
 
 def run_episodes(engine, env: Environment, prompts: list[tuple[list[int], Meta]], group_size: int,
                  max_turns: int, max_new_tokens: int, temperature: float, seed: int,
-                 max_len: int = 4096, **sampling) -> tuple[list[Trajectory], list[Meta]]:
+                 max_len: int = 4096, first: int = 0, **sampling) -> tuple[list[Trajectory], list[Meta]]:
     """group_size episodes per prompt (prompt-major), each of at most max_turns policy turns.
 
-    Turn 1 samples group_size completions per prompt in one call (as single-turn GRPO does);
+    Turn 1 samples group_size completions per prompt in one call (as single-turn GRPO does, seeds
+    `prompt_seeds`; `first`: the index of prompts[0] among every rank's prompts of the round);
     later turns continue every unfinished episode from its exact ids, one seed per episode.
     An episode ends when the environment says so (finish_reason "answered"), after max_turns
     ("max_turns"), when a turn is cut at max_new_tokens ("length") or stops on a token other than
@@ -69,7 +80,8 @@ def run_episodes(engine, env: Environment, prompts: list[tuple[list[int], Meta]]
     trajs = [Trajectory.start(p) for p, _ in prompts for _ in range(group_size)]
     metas = [m for _, m in prompts for _ in range(group_size)]
     samples = engine.generate([p for p, _ in prompts], n=group_size, max_tokens=max_new_tokens,
-                              temperature=temperature, seed=seed, **sampling)
+                              temperature=temperature, seed=prompt_seeds(seed, first, len(prompts), group_size),
+                              **sampling)
     active = list(range(len(trajs)))
     for turn in range(1, max_turns + 1):
         still = []
@@ -97,9 +109,9 @@ def run_episodes(engine, env: Environment, prompts: list[tuple[list[int], Meta]]
         active = still
         if not active:
             break
+        seeds = [turn_seed(seed, first * group_size + i, turn) for i in active]
         samples = engine.generate([trajs[i].ids for i in active], n=1, max_tokens=max_new_tokens,
-                                  temperature=temperature, seed=[turn_seed(seed, i, turn) for i in active],
-                                  **sampling)
+                                  temperature=temperature, seed=seeds, **sampling)
     if hasattr(engine, "rescore"):  # the native engine reports the trainer's own packed logprobs
         engine.rescore(trajs, temperature, sampling.get("min_p", 0.0))
     return trajs, metas

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.distributed import World, shard_of
-from ..core.multiturn import episode_metrics, run_episodes
+from ..core.multiturn import episode_metrics, prompt_seeds, run_episodes
 from ..numerics.parity import ParityReport, check_parity, logprob_dist, sampled_logprobs
 from ..tasks.dataset import DataOrder, DatasetError
 from ..tasks.rewards import RewardError, Scored, score
@@ -108,15 +108,17 @@ def sample_round(step: int, r: int, prompts: list, cfg, task, engine, policy, de
     """Sample this rank's `prompts`, check parity on every sampled token, score them. Collective on
     several ranks (parity and a failing reward fail every rank)."""
     world = policy.world
-    seed = round_seed(cfg.seed, step, r)
+    seed, first = round_seed(cfg.seed, step, r), world.rank * len(prompts)  # shard_of's equal contiguous shares
     with timed(times, "rollout"):
         if getattr(task, "multi_turn", False):
             samples, metas = run_episodes(engine, task, prompts, cfg.group_size, cfg.max_turns, cfg.max_new_tokens,
-                                          cfg.temperature, seed, max_len=cfg.max_model_len, **sampling_settings(cfg))
+                                          cfg.temperature, seed, max_len=cfg.max_model_len, first=first,
+                                          **sampling_settings(cfg))
             extra, outputs = episode_metrics(samples), samples
         else:
+            seeds = prompt_seeds(seed, first, len(prompts), cfg.group_size)
             samples = engine.generate([p for p, _ in prompts], n=cfg.group_size, max_tokens=cfg.max_new_tokens,
-                                      temperature=cfg.temperature, seed=[seed] * len(prompts), **sampling_settings(cfg))
+                                      temperature=cfg.temperature, seed=seeds, **sampling_settings(cfg))
             metas = [meta for _, meta in prompts for _ in range(cfg.group_size)]
             extra, outputs = {}, [s.completion_ids for s in samples]
     with timed(times, "parity"), torch.no_grad():
