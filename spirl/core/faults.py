@@ -94,6 +94,9 @@ class PeerWatch:
         self._lock = threading.Lock()
         self.verdict: str | None = None
         """The failure this watch found or read from the store (one line), once it has one."""
+        self.stopping = lambda: False
+        """True once the job is stopping after SIGTERM (spirl.loops.run sets it): a peer killed then was most
+        likely killed by its launcher at the end of the grace period, and the line says so."""
         self._beats: dict[int, tuple[int, float]] = {}
         self._store_ok = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="spirl-peer-watch", daemon=True)
@@ -211,6 +214,11 @@ class PeerWatch:
                 continue
             if host == self._host:
                 if _process_gone(pid):
+                    if self.stopping():
+                        return (f"rank {r} (pid {pid} on {host}) was killed while the job stopped after SIGTERM, "
+                                "before its safe point and checkpoint: most likely its launcher's grace period "
+                                "ended (torchrun SIGKILLs 30 s after SIGTERM); the latest complete checkpoint is "
+                                "kept: signal the job earlier (Slurm: --signal=TERM@120)")
                     return (f"rank {r} (pid {pid} on {host}) exited without reporting an error: killed (SIGKILL, "
                             "the out-of-memory killer) or crashed")
                 continue

@@ -254,6 +254,7 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     if launched_by_torchrun():  # join the ranks first: every later check runs on every rank alike
         world = init_world(resolve_device(cfg.device))
         progress["watch"] = PeerWatch(world.rank, dict(enumerate(world.gather(PeerWatch.identity())))).start()
+        progress["watch"].stopping = lambda: signals.stop_requested
         check_distributed_config(cfg, world)
         if not world.is_main:  # rank 0 writes a random:<shape> checkpoint once
             world.barrier()
