@@ -92,43 +92,50 @@ def launch(args, name: str, extra: list[str]) -> int:
     return rc
 
 
+class Run:
+    """One run's metrics.jsonl: phase medians of steps 2.. (plus `train`), parity totals, the last step."""
+
+    def __init__(self, path: Path):
+        self.steps = read_steps(path)
+        self.summary = summarize(self.steps, 1)
+        self.median = self.summary["median"]
+        self.median["train"] = sum(self.median.get(p, 0.0) for p in ("forward", "backward", "optimizer"))
+        self.last = self.steps[max(self.steps)]
+
+    def total(self, key: str) -> int:
+        return int(sum(m.get(key, 0) for m in self.steps.values()))
+
+    def cells(self) -> dict[str, str]:
+        s, dyn = self.summary, "dynamic/rounds" in self.last
+        return {"steps": str(len(self.steps)),
+                "parity different/compared": f"{s['different']}/{s['compared']}",
+                "peak GiB": f"{s['peak_gib']:.1f}",
+                "reward_mean (last step)": f"{self.last.get('reward_mean', float('nan')):.4f}",
+                "groups sampled/dropped/kept": "/".join(str(self.total(f"dynamic/groups_{k}"))
+                                                        for k in ("sampled", "dropped", "kept")) if dyn else "-",
+                "steps at the round limit": str(self.total("dynamic/round_limit")) if dyn else "-"}
+
+
 def report(out: Path, names: list[str]) -> bool:
-    rows, ok = {}, True
-    for name in names:
-        path = out / "runs" / name / "metrics.jsonl"
-        if not path.is_file():
-            continue
-        steps = read_steps(path)
-        s = summarize(steps, 1)
-        med = s["median"]
-        med["train"] = sum(med.get(p, 0.0) for p in ("forward", "backward", "optimizer"))
-        last = steps[max(steps)]
-        rows[name] = (s, med, last, lambda key, steps=steps: int(sum(m.get(key, 0) for m in steps.values())))
-        ok &= s["different"] == 0 and s["compared"] > 0
-    if not rows:
+    """Print the table of the runs under `out` (in `names`' order); True if every token of every run matched."""
+    runs_ = {n: Run(out / "runs" / n / "metrics.jsonl") for n in names
+             if (out / "runs" / n / "metrics.jsonl").is_file()}
+    if not runs_:
         print("no run has metrics yet")
         return False
-    base = rows.get("ds-grpo", next(iter(rows.values())))[1]
-    w = max(len(n) for n in rows) + 2
-    print("median s of steps 2.. (ratio to ds-grpo)".ljust(28) + "".join(n.rjust(w + 9) for n in rows))
+    base = runs_.get("ds-grpo", next(iter(runs_.values()))).median
+    w = max(len(n) for n in runs_) + 11
+    print("median s of steps 2.. (ratio to ds-grpo)".ljust(28) + "".join(n.rjust(w) for n in runs_))
     for p in ("rollout", "parity", "forward", "backward", "optimizer", "train", "step"):
-        cells = [f"{m.get(p, 0.0):.2f} ({m.get(p, 0.0) / base[p]:.2f}x)" if base.get(p) else f"{m.get(p, 0.0):.2f}"
-                 for _, m, _, _ in rows.values()]
-        print(p.ljust(28) + "".join(c.rjust(w + 9) for c in cells))
-    extra = [("steps", lambda s, m, l, n: str(len(s["steps"]) + 1)),
-             ("parity different/compared", lambda s, m, l, n: f"{s['different']}/{s['compared']}"),
-             ("peak GiB", lambda s, m, l, n: f"{s['peak_gib']:.1f}"),
-             ("reward_mean (last step)", lambda s, m, l, n: f"{l.get('reward_mean', float('nan')):.4f}"),
-             ("groups sampled/dropped/kept", lambda s, m, l, n: f"{n('dynamic/groups_sampled')}/"
-              f"{n('dynamic/groups_dropped')}/{n('dynamic/groups_kept')}" if "dynamic/rounds" in l else "-"),
-             ("steps at the round limit", lambda s, m, l, n: str(n("dynamic/round_limit")) if "dynamic/rounds" in l
-              else "-")]
-    for label, cell in extra:
-        print(label.ljust(28) + "".join(cell(*r).rjust(w + 9) for r in rows.values()))
-    for name, (_, _, last, _) in rows.items():
-        rewards = {k: round(v, 4) for k, v in last.items() if k.startswith("reward/")}
-        print(f"{name}: last step's per-function rewards {rewards}")
-    return ok
+        cells = [f"{r.median.get(p, 0.0):.2f} ({r.median.get(p, 0.0) / base[p]:.2f}x)" if base.get(p)
+                 else f"{r.median.get(p, 0.0):.2f}" for r in runs_.values()]
+        print(p.ljust(28) + "".join(c.rjust(w) for c in cells))
+    for label in next(iter(runs_.values())).cells():
+        print(label.ljust(28) + "".join(r.cells()[label].rjust(w) for r in runs_.values()))
+    for name, r in runs_.items():
+        print(f"{name}: last step's per-function rewards "
+              f"{ {k: round(v, 4) for k, v in r.last.items() if k.startswith('reward/')} }")
+    return all(r.summary["different"] == 0 and r.summary["compared"] > 0 for r in runs_.values())
 
 
 def main(argv=None) -> int:
