@@ -107,13 +107,41 @@ def test_refusal_names_the_flag_that_makes_it_fit(change, gpu_gib, flag):
     assert mp.estimate(a, fixed, gpu_gib * GIB, **CHUNKED).fits
 
 
-def test_refusal_when_no_single_flag_is_enough():
-    a = args_of("Qwen3-0.6B")
-    cfg = TrainConfig(activation_checkpointing=0, kl_coef=0.1)
+def _apply(cfg, msg: str):
+    """`cfg` with every change one refusal's "together: ..." names, at the values it names."""
+    together = msg.split("together: ")[1]
+    change = {}
+    for name, value in re.findall(r"--([a-z-]+) (?:to )?([\w.]+)", together):
+        field = name.replace("-", "_")
+        old = getattr(cfg, field)
+        change[field] = value if isinstance(old, str) else type(old)(float(value))
+    return dataclasses.replace(cfg, **change), change
+
+
+@pytest.mark.parametrize("shape, change, gpu_gib, shards, named", [
+    # the fewest switches: not checkpointing's recompute or the KL term (the objective), the engine asleep
+    ("Qwen3-0.6B", dict(activation_checkpointing=0, kl_coef=0.1), 16, 0, {"vllm_sleep", "max_tokens_per_microbatch"}),
+    # nothing but the reference copy's memory: the KL term goes (the objective changes), named last resort
+    ("Qwen3-0.6B", dict(activation_checkpointing=0, kl_coef=0.1, engine="native", dtype="float32"), 16, 0,
+     {"kl_coef", "max_tokens_per_microbatch"}),
+    # Qwen3-8B full fine-tuning on 2 H100s (the scale-out issue): the engine asleep while training, smaller
+    # micro-batches; the plan is 131 GiB on 2 H200s at the defaults
+    ("Qwen3-8B", dict(max_new_tokens=1024), 79.2, 2, {"vllm_sleep", "max_tokens_per_microbatch"}),
+])
+def test_refusal_when_no_single_flag_is_enough_names_values_that_fit_together(shape, change, gpu_gib, shards, named):
+    a = args_of(shape)
+    cfg = dataclasses.replace(TrainConfig(), **change)
+    kw = dict(CHUNKED, shards=shards) if shards else CHUNKED
     with pytest.raises(UserError) as e:
-        mp.check(a, cfg, 16 * GIB, **CHUNKED)
-    assert re.search(r"no single flag is enough: set --activation-checkpointing 1, set --kl-coef 0, lower "
-                     r"--max-tokens-per-microbatch.* together$", str(e.value)), str(e.value)
+        mp.check(a, cfg, int(gpu_gib * GIB), **kw)
+    msg = str(e.value)
+    assert "no single flag is enough; together: " in msg and "\n" not in msg, msg
+    fixed, applied = _apply(cfg, msg)
+    assert set(applied) == named, msg
+    assert mp.check(a, fixed, int(gpu_gib * GIB), **kw).fits
+    for switch in set(applied) - {"max_tokens_per_microbatch", "gpu_memory_utilization"}:  # each one is needed
+        assert not mp.estimate(a, dataclasses.replace(fixed, **{switch: getattr(cfg, switch)}), int(gpu_gib * GIB),
+                               **kw).fits
 
 
 def test_more_tokens_or_no_checkpointing_never_need_less():

@@ -40,11 +40,12 @@ T = the tokens one micro-batch can hold: min(max(max_tokens_per_microbatch, L), 
 is the longest sequence (prompt + completion; max_model_len when the prompts are not known) and
 S the sequences of one mini-batch (prompts_per_step x group_size / updates_per_batch).
 It is an upper bound on purpose: a run it accepts should not run out of memory; one it refuses
-names the one change that makes the estimate fit.
+names the one change that makes the estimate fit, or else the changes, with their values, that fit together.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -208,6 +209,52 @@ def _suggestions(args, cfg, gpu_total: int, **kw) -> list[str]:
     return out
 
 
+def _together(args, cfg, gpu_total: int, **kw) -> list[str]:
+    """Flag changes that make the estimate fit together, each at the value it needs (empty if none do): the
+    fewest switches (of --lora-base host, --activation-checkpointing 1, --vllm-sleep 1, --kl-coef 0; dropping
+    the KL term, which changes the objective, only if nothing else fits; among as many, those of least effect
+    on the run), with the largest --max-tokens-per-microbatch and, with it, the largest engine share that fit
+    (never below what the engine's weights and one sequence's KV cache need)."""
+    lora = kw.get("lora") is not None
+    fits = lambda change: estimate(args, replace(cfg, **change), gpu_total, **kw).fits  # noqa: E731
+    switches = {}
+    if lora and cfg.lora_base == "gpu":
+        switches["lora_base"] = "host"
+    if not cfg.activation_checkpointing:
+        switches["activation_checkpointing"] = 1
+    vllm = cfg.engine == "vllm"
+    if vllm and hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep and not lora:
+        switches["vllm_sleep"] = 1
+    if cfg.kl_coef > 0 and not lora:
+        switches["kl_coef"] = 0.0
+    floor = (vllm_weight_bytes(args, kw.get("lora")) + min_kv_bytes(args, cfg) + OVERHEAD_BYTES) / gpu_total
+    utils = [cfg.gpu_memory_utilization]
+    while vllm and round(utils[-1] - 0.05, 2) >= max(floor, 0.05):
+        utils.append(round(utils[-1] - 0.05, 2))
+    budgets = [cfg.max_tokens_per_microbatch]
+    while budgets[-1] // 2 >= 256:
+        budgets.append(budgets[-1] // 2)
+    names = list(switches)
+    subsets = sorted((c for n in range(len(names) + 1) for c in itertools.combinations(names, n)),
+                     key=lambda c: ("kl_coef" in c, len(c), [names.index(x) for x in c][::-1]))
+    change = next(({**{k: switches[k] for k in subset}, "max_tokens_per_microbatch": b, "gpu_memory_utilization": u}
+                   for subset in subsets for b in budgets for u in utils
+                   if fits({**{k: switches[k] for k in subset}, "max_tokens_per_microbatch": b,
+                            "gpu_memory_utilization": u})), None)
+    if change is None:
+        return []
+    words = {"lora_base": "set --lora-base host", "activation_checkpointing": "set --activation-checkpointing 1",
+             "vllm_sleep": "set --vllm-sleep 1", "kl_coef": "set --kl-coef 0 (no reference copy)"}
+    out = [words[k] for k in switches if k in change]
+    if change["max_tokens_per_microbatch"] != cfg.max_tokens_per_microbatch:
+        out.append(f"lower --max-tokens-per-microbatch to {change['max_tokens_per_microbatch']} "
+                   f"(now {cfg.max_tokens_per_microbatch})")
+    if change["gpu_memory_utilization"] != cfg.gpu_memory_utilization:
+        out.append(f"lower --gpu-memory-utilization to {change['gpu_memory_utilization']:.2f} "
+                   f"(now {cfg.gpu_memory_utilization})")
+    return out
+
+
 def kv_bytes_per_token(args) -> int:
     """vLLM's bf16 KV cache per token: keys and values of every layer."""
     return 2 * 2 * args.n_layers * args.n_kv_heads * args.head_dim
@@ -276,24 +323,9 @@ def check(args, cfg, gpu_total_bytes: int, gpu_name: str = "the GPU", **kw) -> M
     if fixes:
         raise UserError(f"{head}: {'; or '.join(fixes)}", EXIT_MEMORY)
     lora = kw.get("lora") is not None
-    all_changes = dict(activation_checkpointing=1, max_tokens_per_microbatch=256)
-    if lora:
-        all_changes["lora_base"] = "host"
-    else:
-        all_changes["kl_coef"] = 0.0
-    if cfg.engine == "vllm":
-        all_changes["gpu_memory_utilization"] = 0.05
-        if hasattr(cfg, "vllm_sleep") and not lora:
-            all_changes["vllm_sleep"] = 1
-    least = estimate(args, replace(cfg, **all_changes), gpu_total_bytes, **kw)
-    if least.fits:
-        together = ([] if cfg.activation_checkpointing else ["set --activation-checkpointing 1"]) + \
-            (["set --kl-coef 0"] if cfg.kl_coef > 0 and not lora else []) + \
-            (["set --lora-base host"] if lora and cfg.lora_base == "gpu" else []) + ["lower --max-tokens-per-microbatch"]
-        if cfg.engine == "vllm":
-            together += (["set --vllm-sleep 1"] if hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep and not lora
-                         else []) + ["lower --gpu-memory-utilization"]
-        raise UserError(f"{head}: no single flag is enough: {', '.join(together)} together", EXIT_MEMORY)
+    together = _together(args, cfg, gpu_total_bytes, **kw)
+    if together:
+        raise UserError(f"{head}: no single flag is enough; together: {', '.join(together)}", EXIT_MEMORY)
     alternative = "" if lora else ", or train LoRA (--lora-rank)"
     raise UserError(f"{head}: the weights and optimizer state alone do not fit; use a GPU with more memory or a "
                     f"smaller model{alternative}", EXIT_MEMORY)
