@@ -422,3 +422,20 @@ def test_readme_table_of_the_surface_is_the_code():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert surface_table([o for o, _ in PAIRS]) in readme, "README's SDK table is stale: python -m spirl.tinker --surface"
+
+
+def test_requests_without_a_seed_get_streams_of_their_own():
+    """A request of n samples takes seeds s..s+n-1 on vLLM (its children), so the next unseeded request starts
+    after them: no sample of a session shares another's random stream; one-sample requests stay consecutive
+    (merged into one request of n, above)."""
+    import threading
+
+    from spirl.tinker.backend import Session
+
+    session = Session.__new__(Session)
+    session.seed, session._sample_counter, session._lock = 3, 0, threading.Lock()
+    sizes = [4, 1, 1, 8, 2]
+    firsts = [session.next_seed(n) for n in sizes]
+    streams = [f + i for f, n in zip(firsts, sizes) for i in range(n)]
+    assert len(set(streams)) == sum(sizes)
+    assert firsts[2] == firsts[1] + 1 and firsts[1] == firsts[0] + 4

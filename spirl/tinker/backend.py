@@ -243,10 +243,15 @@ class Session:
             self._pending.append((version, request, future, prompt_logprobs))
         self.submit(self._flush)
 
-    def next_seed(self) -> int:
+    def next_seed(self, n: int = 1) -> int:
+        """The seed of a request of `n` samples that names none. vLLM seeds its samples s, s+1, ..., s+n-1
+        (VLLMEngine.seeds_children), so the next request's seed comes after them: no two samples of a session
+        share a random stream (shared seeds draw the same noise for different prompts). One-sample requests
+        get consecutive seeds, which `_sample` merges into one request of n."""
         with self._lock:
-            self._sample_counter += 1
-            return (self.seed * 1_000_003 + self._sample_counter) % (2**31)
+            first = self._sample_counter + 1
+            self._sample_counter += n
+            return (self.seed * 1_000_003 + first) % (2**31)
 
     def _flush(self) -> None:
         with self._lock:

@@ -576,9 +576,9 @@ class SamplingClient(tinker.SamplingClient):
         strings = [stop] if isinstance(stop, str) else [x for x in (stop or []) if isinstance(x, str)]
         ids = tuple(x for x in (stop or []) if isinstance(x, int)) if not isinstance(stop, str) else ()
         max_tokens = p.max_tokens if p.max_tokens is not None else s.cfg.max_model_len - len(tokens)
+        seed = p.seed if p.seed is not None else s.next_seed(num_samples)
         req = Request(tokens, n=num_samples, max_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k,
-                      top_p=p.top_p, seed=p.seed if p.seed is not None else s.next_seed(), stop_token_ids=ids,
-                      ignore_eos=stop is not None and len(stop) == 0)
+                      top_p=p.top_p, seed=seed, stop_token_ids=ids, ignore_eos=stop is not None and len(stop) == 0)
         fut = cf.Future()
         s.request_sample(self.version, req, fut, include_prompt_logprobs)
         out = cf.Future()
