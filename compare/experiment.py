@@ -2,8 +2,11 @@
 reasoning-gym task, under the default loss and the DAPO menu; parity on every step, step time per phase side by side.
 
     VLLM_BATCH_INVARIANT=1 python compare/experiment.py --out /tmp/exp                      # every run, one GPU
-    VLLM_BATCH_INVARIANT=1 python compare/experiment.py --out /tmp/exp --runs ds-grpo,ds-dapo  # some (resumable)
+    VLLM_BATCH_INVARIANT=1 python compare/experiment.py --out /tmp/exp --runs ds-grpo,ds-dapo  # some of them
     python compare/experiment.py --out /tmp/exp --runs none                                   # the table only
+
+Two of these may share --out, each on its own GPU (CUDA_VISIBLE_DEVICES), with --model a directory (a
+`random:` model would be written by both).
 
 Runs (same model, seed and shape: --prompts-per-step x --group-size x --max-new-tokens, no checkpoints):
   ds-grpo      --dataset train.jsonl --reward rewards.py:correct --reward rewards.py:first_token (weights 1, 0.5);
