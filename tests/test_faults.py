@@ -208,7 +208,8 @@ def _watch(store, rank, peers, **kw):
     from spirl.core.faults import PeerWatch
 
     exits = []
-    w = PeerWatch(rank, peers, store=store(), interval=0.05, stale_after=0.5, prefix="t", exit=exits.append, **kw)
+    kw.setdefault("prefix", "t")
+    w = PeerWatch(rank, peers, store=store(), interval=0.05, stale_after=0.5, exit=exits.append, **kw)
     return w, exits
 
 
@@ -229,10 +230,13 @@ def test_a_rank_killed_while_the_job_stops_after_sigterm_is_named_as_such(store)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     host = socket.gethostname()
-    w, _ = _watch(store, 0, {0: (host, os.getpid()), 1: (host, dead.pid)})
-    w.stopping = lambda: True
-    found = w.check()
-    assert found.startswith(f"rank 1 (pid {dead.pid} on {host}) was killed while the job stopped after SIGTERM")
+    soon, _ = _watch(store, 0, {0: (host, os.getpid()), 1: (host, dead.pid)}, prefix="soon")
+    soon.stopping = lambda: time.monotonic() - 1  # torchrun SIGTERMs the survivors of a rank that died
+    assert "exited without reporting an error: killed (SIGKILL" in soon.check()
+    late, _ = _watch(store, 0, {0: (host, os.getpid()), 1: (host, dead.pid)}, prefix="late")
+    late.stopping = lambda: time.monotonic() - 31
+    found = late.check()
+    assert found.startswith(f"rank 1 (pid {dead.pid} on {host}) was killed 31 s after the job's SIGTERM"), found
     assert "grace period" in found and "\n" not in found
 
 

@@ -38,6 +38,9 @@ from .errors import EXIT_PEER_FAILED
 
 log = logging.getLogger("spirl.core.faults")
 
+GRACE_HINT_S = 10.0
+"""A peer killed this long after this rank's SIGTERM is reported as killed by the launcher's grace period."""
+
 
 def _process_gone(pid: int) -> bool:
     """The process `pid` on this host has exited (or is a zombie waiting to be reaped)."""
@@ -94,9 +97,11 @@ class PeerWatch:
         self._lock = threading.Lock()
         self.verdict: str | None = None
         """The failure this watch found or read from the store (one line), once it has one."""
-        self.stopping = lambda: False
-        """True once the job is stopping after SIGTERM (spirl.loops.run sets it): a peer killed then was most
-        likely killed by its launcher at the end of the grace period, and the line says so."""
+        self.stopping = lambda: None
+        """When (time.monotonic()) this rank got the SIGTERM it is stopping after, or None (spirl.loops.run sets
+        it). A peer found killed GRACE_HINT_S or more after it was most likely killed by its launcher at the end
+        of the grace period, and the line says so; sooner, the death more likely caused the SIGTERM (torchrun
+        signals the survivors of a dead rank)."""
         self._beats: dict[int, tuple[int, float]] = {}
         self._store_ok = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="spirl-peer-watch", daemon=True)
@@ -214,11 +219,12 @@ class PeerWatch:
                 continue
             if host == self._host:
                 if _process_gone(pid):
-                    if self.stopping():
-                        return (f"rank {r} (pid {pid} on {host}) was killed while the job stopped after SIGTERM, "
-                                "before its safe point and checkpoint: most likely its launcher's grace period "
-                                "ended (torchrun SIGKILLs 30 s after SIGTERM); the latest complete checkpoint is "
-                                "kept: signal the job earlier (Slurm: --signal=TERM@120)")
+                    since = self.stopping()
+                    if since is not None and now - since >= GRACE_HINT_S:
+                        return (f"rank {r} (pid {pid} on {host}) was killed {now - since:.0f} s after the job's "
+                                "SIGTERM, before its safe point and checkpoint: most likely its launcher's grace "
+                                "period ended (torchrun SIGKILLs 30 s after SIGTERM); the latest complete checkpoint "
+                                "is kept: signal the job earlier (Slurm: --signal=TERM@120)")
                     return (f"rank {r} (pid {pid} on {host}) exited without reporting an error: killed (SIGKILL, "
                             "the out-of-memory killer) or crashed")
                 continue

@@ -37,6 +37,7 @@ import logging
 import random
 import signal
 import threading
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -132,6 +133,8 @@ class _Signals:
         self.depth, self.pending, self.previous = 0, None, {}
         self.graceful = False
         self.stop_requested = False
+        self.stop_requested_at: float | None = None
+        """time.monotonic() of the SIGTERM that set stop_requested."""
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -146,7 +149,7 @@ class _Signals:
     def _handle(self, signum, frame):
         if signum == signal.SIGTERM and self.graceful:
             if not self.stop_requested:
-                self.stop_requested = True
+                self.stop_requested, self.stop_requested_at = True, time.monotonic()
                 log.warning("SIGTERM: stopping at the next safe point (after this rollout or this step), then a "
                             "checkpoint and exit 0 (SIGINT stops at once)")
             return
@@ -254,7 +257,7 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     if launched_by_torchrun():  # join the ranks first: every later check runs on every rank alike
         world = init_world(resolve_device(cfg.device))
         progress["watch"] = PeerWatch(world.rank, dict(enumerate(world.gather(PeerWatch.identity())))).start()
-        progress["watch"].stopping = lambda: signals.stop_requested
+        progress["watch"].stopping = lambda: signals.stop_requested_at
         check_distributed_config(cfg, world)
         if not world.is_main:  # rank 0 writes a random:<shape> checkpoint once
             world.barrier()
