@@ -3,7 +3,7 @@
     python compare/phase_table.py runs/<run>/metrics.jsonl [runs/<other>/metrics.jsonl ...] [--skip 1]
 
 Reads the `time/<phase>` seconds and `memory/peak_gib/<phase>` that simple_rl.py logs every step
-(spirl.loops.trainer.phase_metrics), leaves out the first `--skip` steps (the first step pays for
+(spirl.loops.timing.phase_metrics), leaves out the first `--skip` steps (the first step pays for
 inference-time kernel compiles), and prints one column per run: the median seconds of each phase,
 its share of the step, the step's median, the largest peak memory of any phase, and the parity
 totals over *all* steps (tokens compared and tokens different, summed; a skipped step's tokens are

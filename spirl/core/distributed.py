@@ -207,6 +207,12 @@ def like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
+def even_slices(n: int, parts: int) -> list[slice]:
+    """`parts` consecutive slices of n items whose sizes differ by at most one (all equal when `parts` divides
+    n; some empty when n < parts): part i runs from floor(n i / parts) to floor(n (i + 1) / parts)."""
+    return [slice(n * i // parts, n * (i + 1) // parts) for i in range(parts)]
+
+
 def shard_of(items: list, world: World) -> list:
     """Rank r's contiguous share of `items` (whose length the ranks divide)."""
     n = len(items) // world.size

@@ -159,10 +159,9 @@ def build_lora_policy_and_engine(model: ModelDir, spec: PolicySpec, device: torc
     from torchtitan_compat import Qwen3VLLMCompatModel, select_backend
     from torchtitan_compat.lora import apply_lora, lora_modules
 
+    from .distributed import one_local_rank_at_a_time
     from .optim import build_adamw
     from .policy import build_engine
-
-    from .distributed import one_local_rank_at_a_time
 
     dtype = getattr(torch, spec.dtype)
     lora, args = spec.lora.spec, model.args

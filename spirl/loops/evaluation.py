@@ -78,12 +78,13 @@ def evaluate(engine, task, cfg, world=None, step: int = 0) -> dict[str, float]:
     for j in range(len(names)):  # each function's (sum, count) over the problems it applied to
         col = scored.per_func[:, j] if scored is not None else torch.zeros(0)
         sums += [float(col.nan_to_num(0.0).sum()), float((~torch.isnan(col)).sum())]
+    first = len(counts)  # where the functions' (sum, count) pairs start
     counts = world.all_sum(counts + sums)
     out = {"eval/accuracy": counts[0] / len(problems)}
     if k:
         out[f"eval/pass@{k}"] = counts[1] / len(problems)
     for j, name in enumerate(names):
-        total, n = counts[(2 if k else 1) + 2 * j:(2 if k else 1) + 2 * j + 2]
+        total, n = counts[first + 2 * j:first + 2 * j + 2]
         if n:
             out[f"eval/reward/{name}"] = total / n
     return out

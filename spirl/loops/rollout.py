@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.distributed import World, shard_of
+from ..core.distributed import World, even_slices, shard_of
 from ..core.multiturn import episode_metrics, prompt_seeds, run_episodes
 from ..numerics.parity import ParityReport, check_parity, logprob_dist, sampled_logprobs
 from ..tasks.dataset import DataOrder, DatasetError
@@ -191,12 +191,6 @@ def _merge(a: ParityReport | None, b: ParityReport) -> ParityReport:
                         max(a.max_abs_diff, b.max_abs_diff))
 
 
-def _contiguous(n: int, world: World) -> slice:
-    """Rank r's contiguous share of n items: floor(n r / size) up to floor(n (r + 1) / size), so shares differ by
-    at most one (some are empty when n < size); for n divisible by the ranks, `shard_of`'s."""
-    return slice(n * world.rank // world.size, n * (world.rank + 1) // world.size)
-
-
 def collect(step: int, cfg, task, engine, policy, device, run_dir, source: PromptSource, times: dict) -> Rollout:
     """The step's rollout (module docstring) on this rank."""
     world = policy.world
@@ -238,7 +232,7 @@ def collect(step: int, cfg, task, engine, policy, device, run_dir, source: Promp
         kept = kept[:want]
         rewards = torch.cat([k[2] for k in kept]) if kept else torch.zeros(0)
         advantages = grpo_advantages(rewards, g, scale=cfg.scale_rewards) if kept else rewards
-        share = _contiguous(len(kept), world)
+        share = even_slices(len(kept), world.size)[world.rank]  # shares differ by at most one group
         mine = kept[share]
         samples = [s for k in mine for s in k[0]]
         metas = [m for k in mine for m in k[1]]
@@ -249,9 +243,7 @@ def collect(step: int, cfg, task, engine, policy, device, run_dir, source: Promp
         rnd = rounds[0]
         samples, metas = rnd.samples, rnd.metas
         every = torch.cat(world.gather(rnd.scored.rewards))  # rank order = one process's order (batch std)
-        adv = grpo_advantages(every, g, scale=cfg.scale_rewards)
-        if world.sharded:
-            adv = adv[world.rank * len(samples):(world.rank + 1) * len(samples)]
+        adv = shard_of(grpo_advantages(every, g, scale=cfg.scale_rewards), world)
     report = None
     for rnd in rounds:
         report = _merge(report, rnd.report)

@@ -44,7 +44,8 @@ from ..core.optim import clip_grad_norm, step_with_deltas
 from ..numerics.parity import SamplingDist, logprob_dist, sampled_logprobs, sampled_logprobs_and_entropy
 from ..core.policy import Policy, sync_weights
 from ..core.spec import PolicySpec
-from .rollout import DataCursor, Placeholder, PromptSource, Rollout, collect, step_seed  # noqa: F401 (step_seed: compare/)
+from ..core.distributed import even_slices
+from .rollout import DataCursor, Placeholder, PromptSource, Rollout, collect
 from .timing import phase_metrics, timed
 
 log = logging.getLogger("spirl.loops.trainer")
@@ -186,11 +187,6 @@ def step_scalars(policy: Policy, ro: Rollout) -> dict:
     return {**out, **ro.metrics}
 
 
-def minibatch_slices(n: int, updates: int) -> list[slice]:
-    """`updates` consecutive mini-batches of n sequences, as equal as can be (all equal when they divide n)."""
-    return [slice(n * u // updates, n * (u + 1) // updates) for u in range(updates)]
-
-
 def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, spec: PolicySpec, device, run_dir: Path,
              source: PromptSource | None = None, stop=None) -> dict | None:
     """One GRPO step of `policy` (built from `spec`); its scalars, with time/<phase> and time/step (the
@@ -228,7 +224,7 @@ def run_step(step: int, cfg: TrainConfig, task, engine, policy: Policy, spec: Po
         with timed(times, "reference"), torch.no_grad(), policy.reference_model() as ref:
             ref_lps = [x.float().cpu() for x in sampled_logprobs(ref, samples, device, dist)]
     old_lps = [s.logprobs for s in samples]
-    slices = minibatch_slices(len(samples), cfg.updates_per_batch)
+    slices = even_slices(len(samples), cfg.updates_per_batch)  # the mini-batches
     real = [sum(not isinstance(s, Placeholder) for s in samples[sl]) for sl in slices]
     slices = [sl for sl, n in zip(slices, world.all_sum(real)) if n]  # none anywhere (few kept groups): no update
     agg: dict[str, float] = {}

@@ -113,9 +113,7 @@ class ReasoningGymTask:
 
         per_func = torch.tensor([[float("nan") if v is None else v for v in col] for col in per_name],
                                 dtype=torch.float32).T.contiguous()
-        rewards = per_func.nansum(dim=1)
-        rewards[torch.isnan(per_func).all(dim=1)] = float("nan")
-        return Scored(rewards, per_func, list(self.names))
+        return Scored.of_columns(per_func, self.names)
 
     def reward(self, completion_ids: list[int], meta: Meta) -> float:
         """One completion's score (the Task protocol's per-sample reward; batches go through score_batch)."""

@@ -60,6 +60,16 @@ class Scored:
     """The columns are named reward functions, each logged as reward/<name> (False: a task's own reward)."""
 
     @classmethod
+    def of_columns(cls, per_func: torch.Tensor, names: list[str], weights: list[float] | None = None,
+                   metrics: dict | None = None) -> "Scored":
+        """From each function's values [N, F] (NaN where it did not apply): a sample's reward is the
+        `weights`-weighted sum (default 1.0 each) over the functions that applied, NaN where none did."""
+        w = torch.ones(per_func.shape[1]) if weights is None else torch.tensor(weights, dtype=torch.float32)
+        rewards = (per_func * w[None, :]).nansum(dim=1)
+        rewards[torch.isnan(per_func).all(dim=1)] = float("nan")
+        return cls(rewards, per_func, list(names), metrics if metrics is not None else {})
+
+    @classmethod
     def single(cls, values: list[float], name: str) -> "Scored":
         """A task's own per-sample reward: one column, the rewards themselves."""
         t = torch.tensor(values, dtype=torch.float32)
@@ -171,10 +181,7 @@ class RewardSet:
                     raise RewardError(f"reward function {f.name} ({f.spec}) returned {x} for {where(i)}; return a "
                                       "finite number or None")
                 per_func[i, j] = float("nan") if x is None else x
-        w = torch.tensor(self.weights, dtype=torch.float32)
-        rewards = (per_func * w[None, :]).nansum(dim=1)
-        rewards[torch.isnan(per_func).all(dim=1)] = float("nan")
-        return Scored(rewards, per_func, self.names, metrics)
+        return Scored.of_columns(per_func, self.names, self.weights, metrics)
 
 
 def trainer_state(step: int, cfg=None) -> Any:

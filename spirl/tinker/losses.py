@@ -14,8 +14,9 @@ distribution (no temperature); the other inputs come from the datum's `loss_fn_i
 
 Every loss is a sum over tokens (and the caller sums over datums): any normalization is the
 caller's, in `weights` or `advantages`. `ppo` and `cispo` are spirl.core.objectives' per-token surrogates,
-the ones GRPO's loss menu trains with (spirl/loops/loss.py): one implementation each. `gspo` and `stable_reinforce` are refused: Tinker does not
-publish stable_reinforce's objective, and gspo's clip parameters are undocumented.
+the ones GRPO's loss menu trains with (spirl/loops/loss.py): one implementation each. `gspo` and
+`stable_reinforce` are refused: Tinker does not publish stable_reinforce's objective, and gspo's clip
+parameters are undocumented.
 """
 
 from __future__ import annotations
