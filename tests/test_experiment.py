@@ -212,6 +212,47 @@ def test_parquet_dataset_with_two_weighted_rewards(tiny_ckpt, files):
         assert m["loss"] == 0.0 and m["pg_loss"] == 0.0
 
 
+OTHER_REWARD = '''
+import json, os
+
+def scored_only(completions, kind, **kwargs):
+    """Another signature (keywords only, no prompts or ids); None where a row's `kind` is "skip"."""
+    out = [None if k == "skip" else float(len(c[0]["content"]) % 2) for c, k in zip(completions, kind)]
+    with open(os.environ["SPIRL_TEST_REWARD_LOG"], "a") as f:
+        f.write(json.dumps({"fn": "scored_only", "step": kwargs["trainer_state"].global_step + 1, "out": out}) + "\\n")
+    return out
+'''
+
+
+def test_a_saved_dataset_with_chat_prompts_and_rewards_that_return_none(tiny_ckpt, files):
+    """Another layout (a `save_to_disk` directory, chat-message prompts), another reward signature, and rewards
+    that return None: `math` on rows whose gold answer does not parse, `scored_only` on rows marked skip. Parity
+    0 at every step; reward/<f> is the mean of what each function returned for the samples it applied to."""
+    import datasets
+
+    from spirl.loops.run import train
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+             "answer": str(2 * i) if i % 2 == 0 else "n/a", "kind": "skip" if i % 3 == 0 else "score"}
+            for i in range(8)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(files / "chat_saved"))
+    (files / "other_rewards.py").write_text(OTHER_REWARD)
+    cfg = _cfg(tiny_ckpt, files, "chat_saved", dataset=str(files / "chat_saved"), steps=2, checkpoint_every=0,
+               reward=("math", f"{files / 'other_rewards.py'}:scored_only"))
+    with reward_log(files / "chat_saved.log"):
+        hist = train(cfg)
+    calls = _by_step(_calls(files / "chat_saved.log"), "scored_only")
+    nones = 0
+    for step, m in enumerate(hist, start=1):
+        assert m["parity/tokens_different"] == 0 and m["parity/tokens_compared"] > 0
+        out = [x for c in calls[step] for x in c["out"]]
+        applied = [x for x in out if x is not None]
+        nones += len(out) - len(applied)
+        if applied:
+            assert m["reward/scored_only"] == pytest.approx(sum(applied) / len(applied), abs=1e-7)
+    assert nones > 0  # some samples were not applicable, and the run went on
+
+
 def test_reasoning_gym_task_runs_with_parity(tiny_ckpt, files):
     """The GPU command's path on a reasoning-gym task: dapo, clip-higher, dynamic sampling, masked truncated
     completions. A random model answers nothing right: every group is dropped, every round sampled and
