@@ -223,6 +223,20 @@ CONFIGS = {
     # vLLM's bits in every bench_gemm case on the H100 (2026-11-25); kept so the bitwise test covers them.
     "dec_m16_n32": (16, 32, 1, 2, 8),
     "dec_m16_n64": (16, 64, 1, 4, 6),
+    # Tried for decode steps of 65-512 rows (issue 39): GROUP_M 8 so a column tile's row tiles run back
+    # to back (the weights come from HBM once, then L2), masked rows ("dec_"), one 256-row tile (each
+    # weight read once), and the persistent kernel with narrower tiles. dec_m64_n32_g8 and dec_m64_n64_g8
+    # are picked (`pick_config`); the others were slower at every row count measured (the 256-row tiles
+    # by 1.5-4x: too few programs), kept so the bitwise test covers them.
+    "m64_n32_g8": (64, 32, 8, 4, 6),
+    "m64_n64_g8": (64, 64, 8, 4, 5),
+    "dec_m64_n32_g8": (64, 32, 8, 4, 6),
+    "dec_m64_n64_g8": (64, 64, 8, 4, 5),
+    "m128_n32": (128, 32, 8, 4, 5),
+    "m256_n32": (256, 32, 1, 8, 4),
+    "m256_n64": (256, 64, 1, 8, 3),
+    "pers_m128_n64": (128, 64, 8, 4, 4),
+    "pers_m64_n64": (64, 64, 8, 4, 5),
 }
 
 
@@ -245,10 +259,20 @@ def pick_config(m: int, n: int, k: int) -> str:
       rows and 16 stages above (lm_head: 1.7B 213.6-218.5 against 219.6-224.2, 8B 416.2-422.7
       against 422.7-428.6 and cuBLAS's 445.9-449.0; 8B gate_up 82.1-83.0 against 83.0-83.7).
       Outputs up to 4096 wide gained at most 1.1 us (5 %) from it, from no one config: not picked.
-    * 65-512 rows (2026-11-23/26): narrow tiles for outputs up to 4096 wide; 128x128 tiles, 5
-      stages, for wider ones at up to 256 rows (8B qkv 37.8 us and gate_up 102.8 us against 41.6
-      and 111.1 with 4 stages); vocabulary-wide outputs (lm_head) from 129 rows on take the
-      persistent 128x256 kernel (8B lm_head at 256 rows: 557 us against 672).
+    * 65-512 rows (issue 39, 2026-11-26): a decode step replays the CUDA graph of the next capture
+      size, so these row counts are multiples of 8 (72, 80, ... 248) and then of 16 (256 ... 512).
+      Measured at 72, 128, 136, 176, 200, 256, 272, 384, 512 rows, every linear of Qwen3-1.7B and 8B,
+      26 configs (compare/bench_gemm.py; all bitwise vLLM's). The earlier picks (unmasked 64-row tiles,
+      then 128x128) ran 1.3-2x slower at row counts that are not a multiple of 16 or that leave a thin
+      last row tile (72, 136, 200, 272): per decode step's GEMMs 5.1 ms at 72 rows against 2.8 at 128
+      (1.7B), 17.2 ms at 136 against 8.9 at 128 (8B). The rule below is within 1.00-1.10x of the
+      fastest config per row count (summed over a step's layers), and 0.51-1.01x the old picks:
+      rows past m masked to zeros ("dec_") up to 256 rows for outputs up to 4096 wide (64x32 tiles to
+      128 rows, then 64x64 in GROUP_M 8 order so a column tile's row tiles share its weights in L2),
+      and also to 512 rows at most 2048 wide; the persistent kernel (TMA zero-fills the tail rows)
+      otherwise: 128x128 tiles for 2049-4096 wide from 257 rows and 4097-8192 wide at 129-256 rows,
+      128x256 tiles for wider outputs when they make at least 96 tiles (else TMA 128x128 tiles: 1.7B
+      gate_up at up to 128 rows, where 128x256 tiles leave most SMs idle).
     * 1024 rows and up (long prefills, the trainer; 2026-11-26): the persistent TMA kernel with
       128x256 tiles, within -4..+6 % of cuBLAS from 2048 rows on (8B: qkv 607 us at 8192 rows
       against cuBLAS's 635 and the 256x128 pointer tiles' 739; gate_up 2,364 against 2,342 and
@@ -261,14 +285,14 @@ def pick_config(m: int, n: int, k: int) -> str:
         if n <= 2048:
             return "dec_m64_n16_s12"
         return "dec_m64_n32_s12" if n <= 4096 else "dec_m64_n32"
-    if m > 128 and n > 65536:
-        return "pers_m128_n256"
-    if m <= 128:
-        return "m64_n32" if n <= 4096 else "m64_n128"
-    if m <= 256:
-        return "m64_n64" if n <= 4096 else "m128_n128_s5"
     if m <= 512:
-        return "m128_n128"
+        if n > 8192:
+            return "pers_m128_n256" if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= 96 else "tma_m128_n128"
+        if n > 4096:
+            return "dec_m64_n32_g8" if m <= 128 else "pers_m128_n128" if m <= 256 else "pers_m128_n256"
+        if m <= 128:
+            return "dec_m64_n32"
+        return "dec_m64_n64_g8" if m <= 256 or n <= 2048 else "pers_m128_n128"
     if m < 1024:
         return "m128_n128_s5" if n <= 2048 else "vllm"
     if m < 2048 and 4096 < n <= 8192:
