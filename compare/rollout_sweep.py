@@ -501,7 +501,8 @@ def spread(row: dict) -> str:
 
 
 def heatmap(all_pairs: list[Pair], out: str | Path, goal: float = GOAL) -> Path:
-    """One PNG: a row of panels per (label, shape), the rollout ratio and the decode ratio, batch sizes
+    """One PNG: a row of panels per (label, shape), the rollout ratio and (when a cell timed its prefill,
+    --split-prefill) the decode ratio, batch sizes
     across (ticks of sizes that are not capture sizes end in '*'), prompt lengths up; colour centred on
     1.0 (blue: SPIRL faster, red: slower), every value written in its cell, misses (> goal) boxed.
     Needs matplotlib (the `plot` extra); Agg backend, no pyplot state."""
@@ -516,16 +517,17 @@ def heatmap(all_pairs: list[Pair], out: str | Path, goal: float = GOAL) -> Path:
     if not groups:
         raise ValueError("no cell was measured by both engines in one call: nothing to plot")
     widest = max(len({p.cell.batch for p in g}) for g in groups.values())
-    fig = Figure(figsize=(max(8.0, 0.42 * widest * 2 + 2), 3.2 * len(groups)), constrained_layout=True)
+    metrics = ("rollout", "decode step") if any(p.decode_ratio is not None for p in all_pairs) else ("rollout",)
+    fig = Figure(figsize=(max(8.0, 0.42 * widest * len(metrics) + 2), 3.2 * len(groups)), constrained_layout=True)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(groups), 2, squeeze=False)
+    axes = fig.subplots(len(groups), len(metrics), squeeze=False)
     norm = TwoSlopeNorm(vmin=0.8, vcenter=1.0, vmax=1.3)
     mesh = None
     for row_axes, ((label, shape, engine), group) in zip(axes, groups.items()):
         batches = sorted({p.cell.batch for p in group})
         prompts = sorted({p.cell.prompt_len for p in group})
         capture = next((p.capture for p in group if p.capture), [])
-        for ax, metric in zip(row_axes, ("rollout", "decode step")):
+        for ax, metric in zip(row_axes, metrics):
             values = [[float("nan")] * len(batches) for _ in prompts]
             for p in group:
                 v = p.rollout_ratio if metric == "rollout" else p.decode_ratio
