@@ -35,3 +35,21 @@ def test_pick_config_names_a_config_for_every_shape():
     for m in (1, 8, 64, 65, 128, 129, 256, 257, 512, 513, 1023, 1024, 2047, 2048, 16384):
         for n, k in shapes:
             assert pick_config(m, n, k) in CONFIGS, (m, n, k)
+
+
+def test_decode_steps_of_65_to_512_rows_take_masked_or_tma_tiles():
+    """A decode step runs the GEMMs at a CUDA-graph capture size (multiples of 8 to 256, then of 16). At the
+    sizes that are not multiples of 16 or leave a thin last row tile (72, 136, 200, 272 rows), the unmasked
+    pointer tiles ran 1.3-2x slower than masked ("dec_") or TMA tiles on an H100 (docs/rollout-profile.md,
+    issue 39), so no real Qwen3 linear may get one there."""
+    from compare.bench_gemm import layer_shapes
+    from torchtitan_compat.config import SHAPES
+
+    capture = [*range(72, 257, 8), *range(272, 513, 16)]
+    for shape in SHAPES:
+        if not shape.startswith("Qwen3"):
+            continue
+        for layer, (n, k) in layer_shapes(shape).items():
+            for m in capture:
+                config = pick_config(m, n, k)
+                assert config.startswith(("dec_", "pers_", "tma_")), (shape, layer, m, config)
