@@ -266,13 +266,15 @@ def pick_config(m: int, n: int, k: int) -> str:
       then 128x128) ran 1.3-2x slower at row counts that are not a multiple of 16 or that leave a thin
       last row tile (72, 136, 200, 272): per decode step's GEMMs 5.1 ms at 72 rows against 2.8 at 128
       (1.7B), 17.2 ms at 136 against 8.9 at 128 (8B). The rule below is within 1.00-1.10x of the
-      fastest config per row count (summed over a step's layers), and 0.51-1.01x the old picks:
-      rows past m masked to zeros ("dec_") up to 256 rows for outputs up to 4096 wide (64x32 tiles to
-      128 rows, then 64x64 in GROUP_M 8 order so a column tile's row tiles share its weights in L2),
-      and also to 512 rows at most 2048 wide; the persistent kernel (TMA zero-fills the tail rows)
-      otherwise: 128x128 tiles for 2049-4096 wide from 257 rows and 4097-8192 wide at 129-256 rows,
-      128x256 tiles for wider outputs when they make at least 96 tiles (else TMA 128x128 tiles: 1.7B
-      gate_up at up to 128 rows, where 128x256 tiles leave most SMs idle).
+      fastest config per row count (summed over a step's layers), and 0.51-1.01x the old picks.
+      Masked tiles ("dec_": rows past m load zeros) or TMA (the hardware zero-fills them) everywhere:
+        outputs up to 4096 wide: 64x32 tiles to 128 rows, then 64x64 in GROUP_M 8 order (a column
+          tile's row tiles back to back, its weights from L2 after the first) to 256 rows, and to
+          512 rows at most 2048 wide; else the persistent kernel's 128x128 tiles;
+        4097-8192 wide: 64x32 tiles in GROUP_M 8 order to 128 rows, persistent 128x128 to 256,
+          persistent 128x256 above;
+        wider: persistent 128x256 when that makes at least 96 tiles, else TMA 128x128 (1.7B gate_up
+          at up to 128 rows, where 48 tiles of 128x256 leave most SMs idle).
     * 1024 rows and up (long prefills, the trainer; 2026-11-26): the persistent TMA kernel with
       128x256 tiles, within -4..+6 % of cuBLAS from 2048 rows on (8B: qkv 607 us at 8192 rows
       against cuBLAS's 635 and the 256x128 pointer tiles' 739; gate_up 2,364 against 2,342 and
