@@ -133,8 +133,9 @@ def report(out: Path, names: list[str]) -> bool:
         cells = [f"{r.median.get(p, 0.0):.2f} ({r.median.get(p, 0.0) / base[p]:.2f}x)" if base.get(p)
                  else f"{r.median.get(p, 0.0):.2f}" for r in runs_.values()]
         print(p.ljust(28) + "".join(c.rjust(w) for c in cells))
-    for label in next(iter(runs_.values())).cells():
-        print(label.ljust(28) + "".join(r.cells()[label].rjust(w) for r in runs_.values()))
+    cells = [r.cells() for r in runs_.values()]
+    for label in cells[0]:
+        print(label.ljust(28) + "".join(c[label].rjust(w) for c in cells))
     for name, r in runs_.items():
         print(f"{name}: last step's per-function rewards "
               f"{ {k: round(v, 4) for k, v in r.last.items() if k.startswith('reward/')} }")

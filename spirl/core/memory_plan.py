@@ -237,10 +237,9 @@ def _together(args, cfg, gpu_total: int, **kw) -> list[str]:
     names = list(switches)
     subsets = sorted((c for n in range(len(names) + 1) for c in itertools.combinations(names, n)),
                      key=lambda c: ("kl_coef" in c, len(c), [names.index(x) for x in c][::-1]))
-    change = next(({**{k: switches[k] for k in subset}, "max_tokens_per_microbatch": b, "gpu_memory_utilization": u}
-                   for subset in subsets for b in budgets for u in utils
-                   if fits({**{k: switches[k] for k in subset}, "max_tokens_per_microbatch": b,
-                            "gpu_memory_utilization": u})), None)
+    candidates = ({**{k: switches[k] for k in subset}, "max_tokens_per_microbatch": b, "gpu_memory_utilization": u}
+                  for subset in subsets for b in budgets for u in utils)
+    change = next((c for c in candidates if fits(c)), None)
     if change is None:
         return []
     words = {"lora_base": "set --lora-base host", "activation_checkpointing": "set --activation-checkpointing 1",
