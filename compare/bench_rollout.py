@@ -77,26 +77,6 @@ def prompt_seed(cell: sw.Cell, role: str, repeat: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{cell}:{role}:{repeat}".encode()).digest()[:7], "little")
 
 
-def triton_build_counter():
-    """A callable returning how many Triton kernels this process has built (compiled, or loaded from the
-    disk cache) since the call: knobs.runtime.jit_post_compile_hook, chained to the hook already there
-    (vLLM's JIT monitor). None where Triton has no such hook."""
-    try:
-        from triton import knobs
-
-        previous = knobs.runtime.jit_post_compile_hook
-    except (ImportError, AttributeError):
-        return lambda: None
-    count = [0]
-
-    def hook(**kwargs):
-        count[0] += 1
-        return previous(**kwargs) if previous is not None else None
-
-    knobs.runtime.jit_post_compile_hook = hook
-    return lambda: count[0]
-
-
 def time_cell(run, cell: sw.Cell, repeats: int, split_prefill: bool, builds) -> dict:
     """A cell's timings: one untimed warm-up of min(G, WARMUP_NEW_TOKENS) new tokens, then `repeats`
     rollouts (and, with `split_prefill`, `repeats` runs of one new token: the prefill). `run(batch,
@@ -159,38 +139,41 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     llm = build_llm(args.worker, args.model, args.gpu_memory_utilization, args.max_model_len)
     start = time.perf_counter() - t0
-    builds = triton_build_counter()
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from spirl.loops.precompile import TritonBuilds
 
-    def run(batch: int, prompt_len: int, new: int, seed: int) -> float:
-        g = torch.Generator().manual_seed(seed)
-        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (prompt_len,), generator=g).tolist())
-                   for _ in range(batch)]
-        params = SamplingParams(n=1, max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0,
-                                logprobs=0, seed=1)
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        dt = time.perf_counter() - t
-        got = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        if got != batch * new:
-            raise RuntimeError(f"generated {got} tokens, expected {batch * new}")
-        return dt
+    with TritonBuilds() as counter:  # after the engine: vLLM chains its JIT monitor in its warm-up
+        builds = (lambda: counter.count) if counter.available else (lambda: None)
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
-    def emit(row: dict) -> None:
-        print(json.dumps(row), flush=True)
+        def run(batch: int, prompt_len: int, new: int, seed: int) -> float:
+            g = torch.Generator().manual_seed(seed)
+            prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (prompt_len,), generator=g).tolist())
+                       for _ in range(batch)]
+            params = SamplingParams(n=1, max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0,
+                                    logprobs=0, seed=1)
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            dt = time.perf_counter() - t
+            got = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            if got != batch * new:
+                raise RuntimeError(f"generated {got} tokens, expected {batch * new}")
+            return dt
 
-    run(8, 64, 16, seed=10**6)  # warm-up: kernels compiled, graphs touched
-    if not args.sweep:
-        for cell in cells:
-            emit({"engine": args.worker, **time_cell(run, cell, args.repeats, False, builds),
-                  "engine_start_s": round(start, 1)})
-        return
-    facts = engine_facts(llm)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    emit({"kind": "engine", "engine_start_s": round(start, 1), "gpu": gpu, **facts})
-    size = sw.ModelSize.from_config(json.loads((Path(args.model) / "config.json").read_text()))
-    sweep_cells(run, cells, facts, size, sw.Deadline(at=args.deadline), args.repeats, args.split_prefill, builds, emit)
+        def emit(row: dict) -> None:
+            print(json.dumps(row), flush=True)
+
+        run(8, 64, 16, seed=10**6)  # warm-up: kernels compiled, graphs touched
+        if not args.sweep:
+            for cell in cells:
+                emit({"engine": args.worker, **time_cell(run, cell, args.repeats, False, builds),
+                      "engine_start_s": round(start, 1)})
+            return
+        facts = engine_facts(llm)
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+        emit({"kind": "engine", "engine_start_s": round(start, 1), "gpu": gpu, **facts})
+        size = sw.ModelSize.from_config(json.loads((Path(args.model) / "config.json").read_text()))
+        sweep_cells(run, cells, facts, size, sw.Deadline(at=args.deadline), args.repeats, args.split_prefill, builds, emit)
 
 
 def sweep_cells(run, cells: list[sw.Cell], facts: dict, size: sw.ModelSize, deadline: sw.Deadline, repeats: int,

@@ -113,7 +113,7 @@ def test_engine_gets_the_configs_settings(tiny_ckpt, tmp_path, monkeypatch):
     a, b, c = built
     assert (a.gpu_memory_utilization, a.cuda_graphs, a.max_model_len, a.sleep_between_rollouts, a.logprobs_mode) == \
         (0.25, "none", 9000, True, "raw_logprobs")
-    assert (b.cuda_graphs, b.logprobs_mode, b.sleep_between_rollouts) == ("full_decode_only", "processed_logprobs", False)
+    assert (b.cuda_graphs, b.logprobs_mode, b.sleep_between_rollouts) == ("full", "processed_logprobs", False)
     assert (a.external_launcher, b.external_launcher, c.external_launcher) == (False, False, True)  # torchrun
     assert a.model_args is model.args  # the engine checks the args read once, not config.json again
 

@@ -158,6 +158,10 @@ class TrainConfig:
     """1 = run vLLM eagerly (no CUDA graphs): slower rollouts, same numbers."""
     max_model_len: int = EngineSpec.max_model_len
     """Longest prompt + completion (all turns of an episode) the engine accepts, in tokens."""
+    precompile: int = 1
+    """1 = on a GPU, before step 1, build every Triton kernel the run can need (the engine's prefills and the
+    trainer's forward and backward at each token count where a kernel's key changes; spirl/loops/precompile.py),
+    so no step compiles; the same numbers either way. 0 = build each when first needed."""
     vllm_sleep: int = 0
     """1 = put vLLM to sleep while the trainer trains (its KV cache freed, its weights moved to host
     memory, both restored before the next rollout): more GPU memory for training, ~1 s per step."""
@@ -224,6 +228,7 @@ class TrainConfig:
             (self.activation_checkpointing in (0, 1), "activation_checkpointing must be 0 or 1"),
             (0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)"),
             (self.eager in (0, 1), "eager must be 0 or 1"),
+            (self.precompile in (0, 1), "precompile must be 0 or 1"),
             (self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.max_new_tokens < self.max_model_len, "max_new_tokens must be < max_model_len (room for the prompt)"),
             (self.vllm_sleep in (0, 1), "vllm_sleep must be 0 or 1"),
@@ -374,7 +379,8 @@ def to_dict(cfg: TrainConfig) -> dict:
 
 
 RUN_ONLY_FIELDS = frozenset({"steps", "run_name", "resume", "out_dir", "checkpoint_dir", "checkpoint_every",
-                             "eval_every", "eval_pass_k", "eval_size", "eval_dataset", "save_rollouts", "debug"})
+                             "eval_every", "eval_pass_k", "eval_size", "eval_dataset", "save_rollouts", "debug",
+                             "precompile"})
 """Fields that say where a run writes, how its process was started, how long it runs and how often it
 reports, not what it trains. A checkpoint leaves them out of the config it records, so that the same
 training state is the same bytes whether the run was interrupted and resumed (--resume, another

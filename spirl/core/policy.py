@@ -149,7 +149,7 @@ def build_engine(engine: EngineSpec, model: ModelDir, policy: Policy | None, wor
 
     return VLLMEngine(VLLMEngineConfig(
         str(model.path), seed=engine.seed, gpu_memory_utilization=engine.gpu_memory_utilization,
-        max_model_len=engine.max_model_len, cuda_graphs="none" if engine.eager else "full_decode_only",
+        max_model_len=engine.max_model_len, cuda_graphs="none" if engine.eager else VLLMEngineConfig.cuda_graphs,
         logprobs_mode=VLLM_LOGPROBS_MODE[engine.logprobs], sleep_between_rollouts=engine.sleep_between_rollouts,
         external_launcher=world.sharded, model_args=model.args, **engine_settings))
 

@@ -6,7 +6,7 @@ Settings and why:
 * in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the model object is reachable, so new
   weights are copied in memory (no safetensors save + reload) and forward hooks can be attached.
 * `spirl.numerics.vllm_patches.apply()` before the engine is built (see that module for why).
-* CUDA graphs without torch.compile (`CUDA_GRAPH_MODES`; default `full_decode_only`): every op
+* CUDA graphs without torch.compile (`CUDA_GRAPH_MODES`; default `full`): every op
   still runs the same kernel as in eager mode, so a row's bits cannot change (a graph replays the
   recorded kernels; padding rows of a graph batch are separate rows of row-wise kernels).
   Inductor is never used: it fuses ops into kernels the trainer does not run. `none` = eager.
@@ -46,8 +46,12 @@ class VLLMEngineConfig:
     """Longest prompt + completion, in tokens."""
     require_batch_invariant: bool = True
     """Refuse to start without VLLM_BATCH_INVARIANT=1. Only the check-has-teeth test turns this off."""
-    cuda_graphs: str = "full_decode_only"
-    """One of CUDA_GRAPH_MODES: `full_decode_only` (graphs for pure-decode steps), `full`, `none` (eager)."""
+    cuda_graphs: str = "full"
+    """One of CUDA_GRAPH_MODES: `full` (graphs for every step of at most the largest capture size's tokens,
+    prefills included), `full_decode_only` (pure-decode steps only), `none` (eager). `full` since issue 39:
+    an eager step costs ~20 ms of kernel launches whatever its size (H100, Qwen3-1.7B, 16-token prompts:
+    batch 1 prefill 24 ms eager against 4.3 ms graphed, plain vLLM's 6.5 ms), which made short rollouts
+    1.1-1.2x plain vLLM's; the same bits either way (tests/gpu/test_parity.py)."""
     logprobs_mode: str = "raw_logprobs"
     """vLLM's logprobs_mode: `raw_logprobs` or `processed_logprobs` (after temperature / min-p)."""
     sleep_between_rollouts: bool = False
@@ -161,6 +165,12 @@ class VLLMEngine:
     def model(self) -> torch.nn.Module:
         """vLLM's Qwen3ForCausalLM instance (V2 model runner, in-process)."""
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+    def prefill_budget(self) -> tuple[int, int]:
+        """(tokens, sequences) one engine step may schedule: vLLM's max_num_batched_tokens and max_num_seqs
+        (spirl.loops.precompile sends prefills up to these, each in one step)."""
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        return int(sched.max_num_batched_tokens), int(sched.max_num_seqs)
 
     def compat_weights(self, model_args) -> dict[str, torch.Tensor]:
         """The engine's own weight tensors under the trainer's names (weights_vllm_compat's merged

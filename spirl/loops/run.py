@@ -52,6 +52,7 @@ from ..core.distributed import World, check_distributed_config, check_distribute
 from ..core.errors import UserError
 from ..core.faults import PeerWatch
 from .evaluation import evaluate, require_eval_set
+from . import precompile as warmup
 from .rollout import DataCursor, PromptSource, ordered
 from ..core.metrics import MetricsLogger
 from ..core.preflight import (
@@ -302,40 +303,48 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
     if longest_prompt is None:
         engine = LengthCheckedEngine(engine, cfg, limit, source)
     sync_weights(engine, policy, spec)  # the engine starts from the trainer's exact weights (matters on resume)
-    logger = MetricsLogger(run_dir, {"args": to_dict(cfg), "seed": cfg.seed, "model_dir": str(model_dir),
-                                     "device": str(device), "world_size": world.size, "reference": reference},
-                           resume_step=start if cfg.resume else None) if world.is_main else _NoLogger()
-    history = []
-    progress["saved"] = start if cfg.resume else None
-    watch = progress["watch"]
-    stop = lambda: world.any(signals.stop_requested)  # noqa: E731 - decided by every rank together
-    save = lambda step, position: _save(cfg, policy, spec, step, model_dir, reference, watch, progress,  # noqa: E731
-                                        position if ordered(task) else None)
-    signals.graceful = True
-    try:
-        if cfg.eval_every and start == 0:  # the baseline: one eval before the first step
-            logger.log_step(0, evaluate(engine, task, cfg, world, step=0), cfg.steps)
-        for step in range(start + 1, cfg.steps + 1):
-            progress["step"] = step
-            scalars = trainer.run_step(step, cfg, task, engine, policy, spec, device, run_dir, prompt_source, stop)
-            if scalars is None:  # SIGTERM during the rollout: the step is dropped, nothing of it applied
-                _stop_early(cfg, f"during step {step} (after its rollout; the step is dropped)", progress, save)
-                break
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                scalars.update(evaluate(engine, task, cfg, world, step=step))
-            with signals.deferred():  # a step's log line and its checkpoint are written whole
-                logger.log_step(step, scalars, cfg.steps)
-                history.append(scalars)
-                if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                    save(step, cursor.position)
-                progress["done"], progress["position"] = step, cursor.position
-            if step < cfg.steps and stop():
-                _stop_early(cfg, f"after step {step}", progress, save)
-                break
-    finally:
-        logger.close()
-        if not world.sharded:
-            engine.close()  # frees the GPU and ends vLLM's torch.distributed world: a clean exit
+    with warmup.TritonBuilds() as builds:  # after the engine is built: vLLM installs its JIT monitor in its warm-up
+        first_scalars = {}  # step 1's extra scalars: what the precompile built
+        if warmup.wanted(cfg, device):
+            first_scalars = warmup.precompile(engine, policy, cfg, device, model_args, builds)
+        logger = MetricsLogger(run_dir, {"args": to_dict(cfg), "seed": cfg.seed, "model_dir": str(model_dir),
+                                         "device": str(device), "world_size": world.size, "reference": reference},
+                               resume_step=start if cfg.resume else None) if world.is_main else _NoLogger()
+        history = []
+        progress["saved"] = start if cfg.resume else None
+        watch = progress["watch"]
+        stop = lambda: world.any(signals.stop_requested)  # noqa: E731 - decided by every rank together
+        save = lambda step, position: _save(cfg, policy, spec, step, model_dir, reference, watch, progress,  # noqa: E731
+                                            position if ordered(task) else None)
+        signals.graceful = True
+        try:
+            if cfg.eval_every and start == 0:  # the baseline: one eval before the first step
+                logger.log_step(0, evaluate(engine, task, cfg, world, step=0), cfg.steps)
+            for step in range(start + 1, cfg.steps + 1):
+                progress["step"] = step
+                mark = builds.count
+                scalars = trainer.run_step(step, cfg, task, engine, policy, spec, device, run_dir, prompt_source, stop)
+                if scalars is None:  # SIGTERM during the rollout: the step is dropped, nothing of it applied
+                    _stop_early(cfg, f"during step {step} (after its rollout; the step is dropped)", progress, save)
+                    break
+                scalars["triton/builds"] = builds.since(mark)  # kernels compiled or loaded in this step, this rank
+                scalars.update(first_scalars)
+                first_scalars = {}
+                if cfg.eval_every and step % cfg.eval_every == 0:
+                    scalars.update(evaluate(engine, task, cfg, world, step=step))
+                with signals.deferred():  # a step's log line and its checkpoint are written whole
+                    logger.log_step(step, scalars, cfg.steps)
+                    history.append(scalars)
+                    if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                        save(step, cursor.position)
+                    progress["done"], progress["position"] = step, cursor.position
+                if step < cfg.steps and stop():
+                    _stop_early(cfg, f"after step {step}", progress, save)
+                    break
+        finally:
+            logger.close()
+            if not world.sharded:
+                engine.close()  # frees the GPU and ends vLLM's torch.distributed world: a clean exit
     if world.sharded:  # every rank done before the shared process group goes
         watch.done()  # a rank that ends first is no failure (train() closes the watch)
         world.barrier()

@@ -92,6 +92,18 @@ def minibatch_weights(cfg: TrainConfig, samples, world) -> SequenceWeights:
                             world)
 
 
+def micro_batch_loss(policy: Policy, samples, old_lps, ref_lps, adv, weights: SequenceWeights, cfg: TrainConfig,
+                     device) -> tuple[torch.Tensor, dict]:
+    """(loss, its metrics) of one micro-batch: the trainer's forward (logprobs and entropy under the run's
+    sampling distribution) and the loss --loss-type names, with the mini-batch's normalizers `weights`."""
+    lps, ent = sampled_logprobs_and_entropy(policy.model, samples, device, sampling_dist(cfg),
+                                            entropy_grad=cfg.entropy_coef > 0)
+    lp, mask = pad(lps)
+    ref = None if ref_lps is None else pad(ref_lps)[0].to(device)
+    return grpo_loss(lp, pad(old_lps)[0].to(device), ref, adv.to(device), mask, cfg.clip_eps, cfg.kl_coef,
+                     pad(ent)[0], cfg.entropy_coef, LossMenu.from_config(cfg), weights)
+
+
 def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainConfig, device, times) -> dict:
     """One optimizer step over `samples`, accumulated over micro-batches of at most
     cfg.max_tokens_per_microbatch tokens. ref_lps is None when there is no KL term. Returns the
@@ -101,7 +113,6 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
     the gradients are averaged over ranks before the optimizer step (`Policy.reduce_grads`)."""
     world = policy.world
     sums: dict[str, float] = {}
-    dist = sampling_dist(cfg)
     weights = minibatch_weights(cfg, samples, world)  # normalizers over the whole mini-batch, every rank
     slices: list[slice | None] = list(token_budget_slices([len(s.ids) for s in samples], cfg.max_tokens_per_microbatch))
     bad: float | None = None  # this rank's non-finite loss, if it met one
@@ -111,13 +122,8 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
         padding = sl is None
         sl = slice(0, 1) if padding else sl
         with timed(times, "forward"):
-            lps, ent = sampled_logprobs_and_entropy(policy.model, samples[sl], device, dist,
-                                                    entropy_grad=cfg.entropy_coef > 0)
-            lp, mask = pad(lps)
-            ref = None if ref_lps is None else pad(ref_lps[sl])[0].to(device)
-            loss, m = grpo_loss(lp, pad(old_lps[sl])[0].to(device), ref, adv[sl].to(device), mask,
-                                cfg.clip_eps, cfg.kl_coef, pad(ent)[0], cfg.entropy_coef, LossMenu.from_config(cfg),
-                                weights[sl])
+            loss, m = micro_batch_loss(policy, samples[sl], old_lps[sl], None if ref_lps is None else ref_lps[sl],
+                                       adv[sl], weights[sl], cfg, device)
         if not torch.isfinite(loss):
             bad = float(loss.detach())
         if policy.fsdp and world.any(bad is not None):  # every rank is at the same pass: decide now
