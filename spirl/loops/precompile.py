@@ -170,30 +170,44 @@ def warm_engine(engine, model_args, longest: int) -> int:
     return sum(map(len, sets))
 
 
-def warm_trainer(policy, cfg, device, model_args) -> int:
+def warm_trainer(policy, cfg, device, model_args) -> dict:
     """The parity forward and a training micro-batch's forward + backward (loss weight 0) at every key row count
-    up to the micro-batch budget, then every gradient dropped. Returns the tokens run."""
+    up to the micro-batch budget, then every gradient dropped. Returns {tokens, forward_s, backward_s, slowest}:
+    the tokens run, the seconds of the no-grad forwards and of the forward + backward passes, and the slowest
+    batch as (tokens, sequences, seconds)."""
     from ..numerics.parity import sampled_logprobs
     from ..numerics.samples import Sample
     from .loss import sequence_weights
     from .trainer import micro_batch_loss, sampling_dist
 
-    tokens = 0
+    def sync() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    out = {"tokens": 0, "forward_s": 0.0, "backward_s": 0.0, "slowest": (0, 0, 0.0)}
     for lengths in trainer_batches(model_args, cfg.max_tokens_per_microbatch, cfg.max_model_len):
         samples = [Sample([1], [1] * (n - 1), torch.zeros(n - 1), "stop") for n in lengths]
         weights = sequence_weights(cfg.loss_type, [n - 1 for n in lengths], [False] * len(lengths),
                                    cfg.max_new_tokens, bool(cfg.mask_truncated_completions))
         old = [s.logprobs for s in samples]
+        t0 = sync()
         with torch.no_grad():
             sampled_logprobs(policy.model, samples, device, sampling_dist(cfg))
+        t1 = sync()
         ref = old if policy.has_reference else None
         loss, _ = micro_batch_loss(policy, samples, old, ref, torch.ones(len(samples)), weights, cfg, device)
         (loss * 0.0).backward()
-        tokens += sum(lengths)
+        t2 = sync()
+        out["tokens"] += sum(lengths)
+        out["forward_s"] += t1 - t0
+        out["backward_s"] += t2 - t1
+        if t2 - t0 > out["slowest"][2]:
+            out["slowest"] = (sum(lengths), len(lengths), t2 - t0)
     policy.model.zero_grad(set_to_none=True)
     for p in policy.masters.values():
         p.grad = None
-    return tokens
+    return out
 
 
 def wanted(cfg, device) -> bool:
@@ -206,13 +220,13 @@ def precompile(engine, policy, cfg, device, model_args, builds: TritonBuilds) ->
     t0, mark = time.perf_counter(), builds.count
     prompts = warm_engine(engine, model_args, cfg.max_model_len - 1)
     engine_builds, t1 = builds.since(mark), time.perf_counter()
-    tokens = warm_trainer(policy, cfg, device, model_args)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    tr = warm_trainer(policy, cfg, device, model_args)
     t2 = time.perf_counter()
     out = {"precompile/seconds": t2 - t0, "precompile/triton_builds": builds.since(mark)}
+    n, seqs, slow = tr["slowest"]
     log.info("precompiled: %d Triton kernels built in %.1f s (engine: %d prompts, %d kernels, %.1f s; trainer: %d "
-             "tokens, %d kernels, %.1f s)%s", out["precompile/triton_builds"], t2 - t0, prompts, engine_builds,
-             t1 - t0, tokens, builds.since(mark) - engine_builds, t2 - t1,
-             "" if builds.available else " (this Triton has no build hook: counts unknown)")
+             "tokens, %d kernels, %.1f s: no-grad forwards %.1f s, forward + backward %.1f s, slowest batch %d tokens "
+             "in %d sequences %.2f s)%s", out["precompile/triton_builds"], t2 - t0, prompts, engine_builds, t1 - t0,
+             tr["tokens"], builds.since(mark) - engine_builds, t2 - t1, tr["forward_s"], tr["backward_s"], n, seqs,
+             slow, "" if builds.available else " (this Triton has no build hook: counts unknown)")
     return out
