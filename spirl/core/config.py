@@ -158,10 +158,12 @@ class TrainConfig:
     """1 = run vLLM eagerly (no CUDA graphs): slower rollouts, same numbers."""
     max_model_len: int = EngineSpec.max_model_len
     """Longest prompt + completion (all turns of an episode) the engine accepts, in tokens."""
-    precompile: int = 1
+    precompile: int = 0
     """1 = on a GPU, before step 1, build every Triton kernel the run can need (the engine's prefills and the
     trainer's forward and backward at each token count where a kernel's key changes; spirl/loops/precompile.py),
-    so no step compiles; the same numbers either way. 0 = build each when first needed."""
+    so that no step compiles and step 1 takes as long as the others; the same numbers either way. Off by default:
+    it costs more start-up time than it saves (H100: 9-17 s with a filled kernel cache, where step 1 compiles
+    nothing anyway; 26-33 s with an empty one, against 6-10 s of compiles in step 1; docs/cold-start.md)."""
     vllm_sleep: int = 0
     """1 = put vLLM to sleep while the trainer trains (its KV cache freed, its weights moved to host
     memory, both restored before the next rollout): more GPU memory for training, ~1 s per step."""
