@@ -49,12 +49,11 @@ it (1, a multiple of 16, neither) as they do on the token count."""
 class TritonBuilds:
     """Counts the Triton kernels this process builds (compiles, or loads from the disk cache) while entered:
     Triton's `knobs.runtime.jit_post_compile_hook`, chained to the hook already there (vLLM installs a JIT
-    monitor after its warm-up, so enter this after the engine is built). `count` and `names` (kernel name ->
-    builds) grow; `since(mark)` is the count after an earlier `count`. Without the hook (another Triton),
-    `available` is False and the count stays 0."""
+    monitor after its warm-up, so enter this after the engine is built). `names` (kernel name -> builds) grows;
+    `count` is their total and `since(mark)` the builds after an earlier `count`. Without the hook (another
+    Triton), `available` is False and nothing is counted."""
 
     def __init__(self):
-        self.count = 0
         self.names: Counter = Counter()
         self.available = False
         self._previous = None
@@ -69,7 +68,6 @@ class TritonBuilds:
         previous = self._previous
 
         def hook(**kwargs):
-            self.count += 1
             self.names[getattr(kwargs.get("fn"), "name", "?")] += 1
             return previous(**kwargs) if previous is not None else None
 
@@ -86,6 +84,10 @@ class TritonBuilds:
         if knobs.runtime.jit_post_compile_hook is self._hook:  # someone chained after us: leave theirs in place
             knobs.runtime.jit_post_compile_hook = self._previous
         self.available = False
+
+    @property
+    def count(self) -> int:
+        return sum(self.names.values())
 
     def since(self, mark: int) -> int:
         return self.count - mark

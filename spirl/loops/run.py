@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import Counter
 import signal
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -323,15 +323,16 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
                 logger.log_step(0, evaluate(engine, task, cfg, world, step=0), cfg.steps)
             for step in range(start + 1, cfg.steps + 1):
                 progress["step"] = step
-                mark, names = builds.count, Counter(builds.names)
+                before = Counter(builds.names)
                 scalars = trainer.run_step(step, cfg, task, engine, policy, spec, device, run_dir, prompt_source, stop)
                 if scalars is None:  # SIGTERM during the rollout: the step is dropped, nothing of it applied
                     _stop_early(cfg, f"during step {step} (after its rollout; the step is dropped)", progress, save)
                     break
-                scalars["triton/builds"] = builds.since(mark)  # kernels compiled or loaded in this step, this rank
-                if scalars["triton/builds"]:
+                built = builds.names - before  # kernels compiled or loaded in this step, this rank
+                scalars["triton/builds"] = sum(built.values())
+                if built:
                     log.info("step %d built %d Triton kernels: %s", step, scalars["triton/builds"],
-                             ", ".join(f"{k} x{v}" for k, v in sorted((builds.names - names).items())))
+                             ", ".join(f"{k} x{v}" for k, v in sorted(built.items())))
                 scalars.update(first_scalars)
                 first_scalars = {}
                 if cfg.eval_every and step % cfg.eval_every == 0:
