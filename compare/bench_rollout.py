@@ -9,7 +9,8 @@
 Each engine runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import):
   ours        spirl.engines.vllm_engine.VLLMEngine as the trainer builds it (VLLM_BATCH_INVARIANT=1,
               its patches, its default CUDA-graph mode); `ours:MODE` picks another mode
-              (none = eager, full, full_decode_only, piecewise)
+              (none = eager, full, full_decode_only, piecewise), `ours@STEPxMAX` other capture
+              sizes (`engine_options`: e.g. ours@1024; ours@vllm: vLLM's own)
   plain       vllm.LLM with VLLM_BATCH_INVARIANT=0 and vLLM's defaults (torch.compile + CUDA graphs):
               what a user would run instead
 Every engine gets the same --gpu-memory-utilization and generates exactly the case's new tokens per
@@ -53,9 +54,27 @@ GRACE_S = 45.0
 it is killed; the cell in flight is then recorded as failed."""
 
 
+def engine_options(engine_name: str) -> dict:
+    """VLLMEngineConfig fields of an `ours[:MODE][@SIZES]` engine name: MODE a CUDA-graph mode (default: the
+    config's), SIZES `vllm` (vLLM's own capture sizes) or a number MAX (`vllm_engine.graph_sizes(MAX)`:
+    vLLM's list to 512, then every 256 to MAX); without @, the config's default sizes."""
+    from spirl.engines.vllm_engine import CUDA_GRAPH_MODES, VLLMEngineConfig, graph_sizes
+
+    base, at, sizes = engine_name.partition("@")
+    head, _, mode = base.partition(":")
+    mode = mode or VLLMEngineConfig.cuda_graphs
+    if head != "ours" or mode not in CUDA_GRAPH_MODES or (at and sizes != "vllm" and not (sizes.isdigit() and int(sizes))):
+        raise SystemExit(f"error: engine {engine_name!r}: use plain or ours[:MODE][@vllm|@MAX_TOKENS] with MODE one "
+                         f"of {', '.join(CUDA_GRAPH_MODES)} (e.g. ours:full@2048)")
+    opts = {"cuda_graphs": mode}
+    if at:
+        opts["cuda_graph_sizes"] = None if sizes == "vllm" else graph_sizes(int(sizes))
+    return opts
+
+
 def build_llm(engine_name: str, model: str, gpu_memory_utilization: float, max_model_len: int):
     """The vllm.LLM of an engine name: `plain` (vLLM's defaults; the process must have
-    VLLM_BATCH_INVARIANT=0), `ours` or `ours:<cuda graph mode>` (the trainer's VLLMEngine)."""
+    VLLM_BATCH_INVARIANT=0), or `ours[:MODE][@SIZES]` (the trainer's VLLMEngine: `engine_options`)."""
     if engine_name == "plain":
         from vllm import LLM
 
@@ -63,9 +82,8 @@ def build_llm(engine_name: str, model: str, gpu_memory_utilization: float, max_m
                    gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
     from spirl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-    mode = engine_name.split(":", 1)[1] if ":" in engine_name else VLLMEngineConfig.cuda_graphs
     return VLLMEngine(VLLMEngineConfig(model, seed=0, gpu_memory_utilization=gpu_memory_utilization,
-                                       max_model_len=max_model_len, cuda_graphs=mode)).llm
+                                       max_model_len=max_model_len, **engine_options(engine_name))).llm
 
 
 # -- the worker (one engine, in its own process, on the GPU host) ---------------------------------------
@@ -503,6 +521,9 @@ def main(argv=None) -> int:
         return 0
     if args.plot:
         return report(args)
+    for name in args.engines.split(","):  # a bad engine name fails here, before any engine starts
+        if name != "plain":
+            engine_options(name)
     if args.sweep:
         args.label = args.label or ""
         return sweep(args, t_start)

@@ -44,6 +44,31 @@ def test_bad_arguments_are_one_line(tmp_path):
         bench_rollout.main(["--model", str(tmp_path), "--cases", "8x0x256"])
 
 
+def test_engine_names_pick_graph_mode_and_capture_sizes(tmp_path):
+    from spirl.engines.vllm_engine import VLLMEngineConfig, compilation_kwargs, graph_sizes
+
+    vllm_list = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))  # vLLM 0.26's default on an H100
+    assert graph_sizes(512) == vllm_list and graph_sizes(100) == tuple(n for n in vllm_list if n <= 100)
+    assert graph_sizes(2000) == vllm_list + (768, 1024, 1280, 1536, 1792) and graph_sizes() == graph_sizes(2048)
+    assert VLLMEngineConfig("m").cuda_graph_sizes == graph_sizes()
+    assert compilation_kwargs("full", (4, 1, 2))["compilation_config"] == {
+        "mode": 0, "cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4]}
+    assert "cudagraph_capture_sizes" not in compilation_kwargs("full", None)["compilation_config"]
+    assert compilation_kwargs("none", (1, 2)) == {"enforce_eager": True}
+
+    assert bench_rollout.engine_options("ours") == {"cuda_graphs": VLLMEngineConfig.cuda_graphs}
+    assert bench_rollout.engine_options("ours:none") == {"cuda_graphs": "none"}
+    assert bench_rollout.engine_options("ours@vllm") == {"cuda_graphs": VLLMEngineConfig.cuda_graphs,
+                                                         "cuda_graph_sizes": None}
+    assert bench_rollout.engine_options("ours:full_decode_only@1024") == {
+        "cuda_graphs": "full_decode_only", "cuda_graph_sizes": graph_sizes(1024)}
+    for bad in ("ourz", "ours:fast", "ours@", "ours@x512", "ours@0", "ours@-5", "ours@128x512"):
+        with pytest.raises(SystemExit, match="error: engine"):
+            bench_rollout.engine_options(bad)
+    with pytest.raises(SystemExit, match="ours:fast"):  # before any engine starts
+        bench_rollout.main(["--model", str(tmp_path), "--engines", "ours:fast,plain", "--cases", "1x16x4"])
+
+
 # -- the sweep (issue 39): every host-side path, with fake engines and recorded timings ---------------------
 
 from types import SimpleNamespace  # noqa: E402

@@ -72,9 +72,10 @@ def test_build_counter_chains_and_restores():
     try:
         with pc.TritonBuilds() as builds:
             assert builds.available
-            knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name="_k"), key=None)
-            knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name="_k"), key=None)
+            knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name="_k"), key=None, repr="_k(X: *bf16D)")
+            knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name="_k"), key=None, repr="_k(X: *bf16)")
             assert builds.count == 2 and builds.names["_k"] == 2 and seen == ["_k", "_k"] and builds.since(1) == 1
+            assert builds.variants == ["_k(X: *bf16D)", "_k(X: *bf16)"]
         assert knobs.runtime.jit_post_compile_hook is previous
     finally:
         knobs.runtime.jit_post_compile_hook = before
@@ -116,3 +117,14 @@ def test_precompile_changes_no_bits(tiny_ckpt, tmp_path, monkeypatch, lora):
     files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     assert files and files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
     assert [_sha(a / f) for f in files] == [_sha(b / f) for f in files]
+
+
+def test_logprob_backward_kernel_ignores_the_alignment_of_row_slices():
+    """The trainer slices ids and the incoming gradients per chunk of rows (1,766 rows at Qwen3's vocabulary), so
+    a chunk's slice may start 8 bytes past a 16-byte boundary; a kernel specialized on their alignment built a
+    second variant in the middle of step 1 (H100, session 39). They are not specialized on."""
+    pytest.importorskip("triton")
+    from kernels.logprob_backward import _logprob_bwd_kernel
+
+    names = {_logprob_bwd_kernel.arg_names[i] if isinstance(i, int) else i for i in _logprob_bwd_kernel.do_not_specialize}
+    assert {"IDS", "G", "E"} <= names

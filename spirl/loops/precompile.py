@@ -50,11 +50,13 @@ class TritonBuilds:
     """Counts the Triton kernels this process builds (compiles, or loads from the disk cache) while entered:
     Triton's `knobs.runtime.jit_post_compile_hook`, chained to the hook already there (vLLM installs a JIT
     monitor after its warm-up, so enter this after the engine is built). `names` (kernel name -> builds) grows;
-    `count` is their total and `since(mark)` the builds after an earlier `count`. Without the hook (another
-    Triton), `available` is False and nothing is counted."""
+    `count` is their total and `since(mark)` the builds after an earlier `count`; `variants` lists each build's
+    specialization as Triton prints it (argument types, `D` where a pointer or integer is taken to be divisible by
+    16), in build order. Without the hook (another Triton), `available` is False and nothing is counted."""
 
     def __init__(self):
         self.names: Counter = Counter()
+        self.variants: list[str] = []
         self.available = False
         self._previous = None
 
@@ -69,6 +71,7 @@ class TritonBuilds:
 
         def hook(**kwargs):
             self.names[getattr(kwargs.get("fn"), "name", "?")] += 1
+            self.variants.append(str(kwargs.get("repr", "?")))
             return previous(**kwargs) if previous is not None else None
 
         self._hook = hook

@@ -323,7 +323,7 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
                 logger.log_step(0, evaluate(engine, task, cfg, world, step=0), cfg.steps)
             for step in range(start + 1, cfg.steps + 1):
                 progress["step"] = step
-                before = Counter(builds.names)
+                before, first_variant = Counter(builds.names), len(builds.variants)
                 scalars = trainer.run_step(step, cfg, task, engine, policy, spec, device, run_dir, prompt_source, stop)
                 if scalars is None:  # SIGTERM during the rollout: the step is dropped, nothing of it applied
                     _stop_early(cfg, f"during step {step} (after its rollout; the step is dropped)", progress, save)
@@ -333,6 +333,8 @@ def _train(cfg: TrainConfig, signals: _Signals, progress: dict) -> list[dict]:
                 if built:
                     log.info("step %d built %d Triton kernels: %s", step, scalars["triton/builds"],
                              ", ".join(f"{k} x{v}" for k, v in sorted(built.items())))
+                    for variant in builds.variants[first_variant:]:  # what a precompile would have to cover
+                        (log.info if cfg.precompile else log.debug)("step %d built %s", step, variant)
                 scalars.update(first_scalars)
                 first_scalars = {}
                 if cfg.eval_every and step % cfg.eval_every == 0:
