@@ -55,6 +55,8 @@ def test_engine_names_pick_graph_mode_and_capture_sizes(tmp_path):
         "mode": 0, "cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4]}
     assert "cudagraph_capture_sizes" not in compilation_kwargs("full", None)["compilation_config"]
     assert compilation_kwargs("none", (1, 2)) == {"enforce_eager": True}
+    capped = compilation_kwargs("full", graph_sizes(), max_num_seqs=2)["compilation_config"]  # run_comparison.sh
+    assert capped["cudagraph_capture_sizes"] == [1, 2, 4]  # as vLLM caps its own list at 2 x max_num_seqs
 
     assert bench_rollout.engine_options("ours") == {"cuda_graphs": VLLMEngineConfig.cuda_graphs}
     assert bench_rollout.engine_options("ours:none") == {"cuda_graphs": "none"}

@@ -70,8 +70,11 @@ class VLLMEngineConfig:
     replays the graph of the next size up, padded, and steps above the largest run eagerly. None: vLLM
     0.26's own list, which ends at 512. The default adds 768 to 2,048 in steps of 256 (issue 39): an eager
     step costs ~20 ms of kernel launches, so at Qwen3-1.7B, 64 new tokens, a rollout of 2 prompts of 512
-    tokens took 0.218 s with vLLM's list and 0.182 s with this one (plain vLLM 0.181 s; H100, session 39).
-    Padding rows are separate rows of row-wise kernels: no sequence's bits depend on it."""
+    tokens took 0.218 s with vLLM's list and 0.182 s with this one (plain vLLM 0.181 s), and at Qwen3-8B 2 x 700
+    0.521 s against 0.486 s (plain 0.487 s; H100, session 39). The graphs took 0.23 GiB (1.7B) and 0.34 GiB
+    (8B) beyond vLLM's memory share, inside the memory plan's fixed overhead. With `max_num_seqs` set, only the
+    sizes up to twice it are captured (`compilation_kwargs`). Padding rows are separate rows of row-wise
+    kernels: no sequence's bits depend on it."""
     logprobs_mode: str = "raw_logprobs"
     """vLLM's logprobs_mode: `raw_logprobs` or `processed_logprobs` (after temperature / min-p)."""
     sleep_between_rollouts: bool = False
@@ -118,11 +121,15 @@ CUDA_GRAPH_MODES = {
 }
 
 
-def compilation_kwargs(cuda_graphs: str, sizes: tuple[int, ...] | None) -> dict:
-    """vllm.LLM's keyword arguments for a CUDA_GRAPH_MODES mode and capture sizes (None: vLLM's)."""
+def compilation_kwargs(cuda_graphs: str, sizes: tuple[int, ...] | None, max_num_seqs: int | None = None) -> dict:
+    """vllm.LLM's keyword arguments for a CUDA_GRAPH_MODES mode and capture sizes (None: vLLM's). With
+    `max_num_seqs` set, only the sizes up to twice it, as vLLM caps its own list (a job of a handful of
+    sequences, such as run_comparison.sh, then captures a handful of graphs and starts faster)."""
     if cuda_graphs not in CUDA_GRAPH_MODES:
         raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPH_MODES)}, got {cuda_graphs!r}")
     kwargs = dict(CUDA_GRAPH_MODES[cuda_graphs])
+    if sizes is not None and max_num_seqs:
+        sizes = tuple(n for n in sizes if n <= 2 * max_num_seqs) or (1,)
     if sizes is not None and "compilation_config" in kwargs:
         kwargs["compilation_config"] = {**kwargs["compilation_config"], "cudagraph_capture_sizes": sorted(sizes)}
     return kwargs
@@ -176,7 +183,7 @@ class VLLMEngine:
 
         t0 = time.perf_counter()
         self.cfg = cfg
-        graphs = compilation_kwargs(cfg.cuda_graphs, cfg.cuda_graph_sizes)
+        graphs = compilation_kwargs(cfg.cuda_graphs, cfg.cuda_graph_sizes, cfg.max_num_seqs)
         self.llm = LLM(model=cfg.model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=cfg.seed,
                        enable_prefix_caching=False, gpu_memory_utilization=cfg.gpu_memory_utilization,
                        max_model_len=cfg.max_model_len, logprobs_mode=cfg.logprobs_mode,
