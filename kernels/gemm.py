@@ -85,6 +85,51 @@ def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
 
 
 @triton.jit
+def _bi_matmul_2dot_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+                           stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                           BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """`_bi_matmul_kernel`'s masked tiles ("dec_") with BLOCK_M + BLOCK_M2 rows per program, computed as two
+    `tl.dot`s into two accumulators that share each loaded weight chunk: 128 + 64 = 192 rows, or 256 + 64 = 320,
+    row counts Triton's power-of-two tiles lack. A decode step of 129-192 (257-320) rows then reads each weight
+    chunk once per program instead of once per 64- or 128-row tile. Each element is still one K loop in the
+    same order, one `tl.dot` per 64-wide chunk into an fp32 accumulator, zero-padded tail: the module doc's
+    conditions. Not picked until measured (issue 39, written in session 39 for the next GPU call)."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M + BLOCK_M2, BLOCK_N, GROUP_M)
+
+    first = pid_m * (BLOCK_M + BLOCK_M2)
+    offs_m1 = first + tl.arange(0, BLOCK_M)
+    offs_m2 = first + BLOCK_M + tl.arange(0, BLOCK_M2)
+    ok1 = offs_m1 < M
+    ok2 = offs_m2 < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_nb = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a1_ptrs = a_ptr + tl.where(ok1, offs_m1, 0).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    a2_ptrs = a_ptr + tl.where(ok2, offs_m2, 0).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_nb[None, :] * stride_bn
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M2, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - ki * BLOCK_K
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        a1 = tl.load(a1_ptrs, mask=ok1[:, None] & k_ok[None, :], other=0.0)
+        a2 = tl.load(a2_ptrs, mask=ok2[:, None] & k_ok[None, :], other=0.0)
+        acc1 = tl.dot(a1, b, acc1)
+        acc2 = tl.dot(a2, b, acc2)
+        a1_ptrs += BLOCK_K * stride_ak
+        a2_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    offs_cn = offs_n.to(tl.int64)
+    n_ok = offs_cn[None, :] < N
+    c1 = c_ptr + offs_m1.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    tl.store(c1, acc1.to(c_ptr.dtype.element_ty), mask=ok1[:, None] & n_ok)
+    c2 = c_ptr + offs_m2.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    tl.store(c2, acc2.to(c_ptr.dtype.element_ty), mask=ok2[:, None] & n_ok)
+
+
+@triton.jit
 def _bi_matmul_swap_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                            stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -237,6 +282,13 @@ CONFIGS = {
     "m256_n64": (256, 64, 1, 8, 3),
     "pers_m128_n64": (128, 64, 8, 4, 4),
     "pers_m64_n64": (64, 64, 8, 4, 5),
+    # Two dots per program (`_bi_matmul_2dot_kernel`, issue 39): BLOCK_M is the program's rows, split into the
+    # largest power of two below it and the rest (192 = 128 + 64, 320 = 256 + 64). Candidates for decode steps of
+    # 129-192 and 257-320 rows, written in session 39 and not yet run on a GPU: not picked.
+    "d2_m192_n32": (192, 32, 8, 4, 5),
+    "d2_m192_n64": (192, 64, 8, 4, 4),
+    "d2_m320_n32": (320, 32, 8, 4, 4),
+    "d2_m320_n64": (320, 64, 8, 8, 3),
 }
 
 
@@ -347,6 +399,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
     ptrs = (a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0), c.stride(0), c.stride(1))
     if config.startswith("swp_"):
         _bi_matmul_swap_kernel[grid](*ptrs, **tiles)
+    elif config.startswith("d2_"):
+        first = 1 << (bm.bit_length() - 1)  # 192 -> 128 + 64, 320 -> 256 + 64
+        _bi_matmul_2dot_kernel[grid](*ptrs, **{**tiles, "BLOCK_M": first}, BLOCK_M2=bm - first)
     else:
         _bi_matmul_kernel[grid](*ptrs, MASK_M=config.startswith("dec_"), **tiles)
     return c.reshape(*lead, n)
