@@ -9,7 +9,7 @@
 Each engine runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import):
   ours        spirl.engines.vllm_engine.VLLMEngine as the trainer builds it (VLLM_BATCH_INVARIANT=1,
               its patches, its default CUDA-graph mode); `ours:MODE` picks another mode
-              (none = eager, full, full_decode_only, piecewise), `ours@STEPxMAX` other capture
+              (none = eager, full, full_decode_only, piecewise), `ours@MAX` other capture
               sizes (`engine_options`: e.g. ours@1024; ours@vllm: vLLM's own)
   plain       vllm.LLM with VLLM_BATCH_INVARIANT=0 and vLLM's defaults (torch.compile + CUDA graphs):
               what a user would run instead
@@ -63,7 +63,8 @@ def engine_options(engine_name: str) -> dict:
     base, at, sizes = engine_name.partition("@")
     head, _, mode = base.partition(":")
     mode = mode or VLLMEngineConfig.cuda_graphs
-    if head != "ours" or mode not in CUDA_GRAPH_MODES or (at and sizes != "vllm" and not (sizes.isdigit() and int(sizes))):
+    bad_sizes = at and sizes != "vllm" and not (sizes.isdigit() and int(sizes))
+    if head != "ours" or mode not in CUDA_GRAPH_MODES or bad_sizes:
         raise SystemExit(f"error: engine {engine_name!r}: use plain or ours[:MODE][@vllm|@MAX_TOKENS] with MODE one "
                          f"of {', '.join(CUDA_GRAPH_MODES)} (e.g. ours:full@2048)")
     opts = {"cuda_graphs": mode}

@@ -11,14 +11,16 @@ with respect to the *raw* logits of  sum_r g_r log p_r(ids_r) + e_r H_r  when z 
 
 Per row, pass 1 streams the vocabulary once keeping a running max m, s = sum exp(z - m) and
 t = sum exp(z - m) z (both rescaled when m grows), so lse = m + log s and sum_j p_j z_j = t / s;
-pass 2 writes dz. `_logprob_bwd_kernel` does not specialize on the alignment of its per-row inputs (ids, g, e:
-one scalar load per program, so nothing to vectorize): the trainer passes slices of them per chunk of rows
-(batch_invariant_backward._row_chunks, 1,766 rows at Qwen3's vocabulary), and a chunk starting at a row
-that is not a multiple of 4 would otherwise build a second variant of the kernel, in the middle of step 1
-(seen on an H100, session 39, after `--precompile 1` had built the first). Everything is fp32 in registers: one read of z (two for the backward) and one
+pass 2 writes dz. Everything is fp32 in registers: one read of z (two for the backward) and one
 write, where the PyTorch form made ~10 passes over float32 copies. A row's result depends only on
 that row (chunking the rows changes no bit) and its reduction order only on V, so it is
 deterministic.
+
+`_logprob_bwd_kernel` does not specialize on the alignment of its per-row inputs (ids, g, e: one
+scalar load per program, nothing to vectorize): the trainer passes slices of them per chunk of rows
+(batch_invariant_backward._row_chunks, 1,766 rows at Qwen3's vocabulary), and a chunk starting at a
+row that is not a multiple of 4 would otherwise build a second variant of the kernel in the middle
+of step 1 (seen on an H100, session 39, after `--precompile 1` had built the first).
 """
 
 from __future__ import annotations
