@@ -85,51 +85,6 @@ def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
 
 
 @triton.jit
-def _bi_matmul_2dot_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
-                           stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                           BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """`_bi_matmul_kernel`'s masked tiles ("dec_") with BLOCK_M + BLOCK_M2 rows per program, computed as two
-    `tl.dot`s into two accumulators that share each loaded weight chunk: 128 + 64 = 192 rows, or 256 + 64 = 320,
-    row counts Triton's power-of-two tiles lack. A decode step of 129-192 (257-320) rows then reads each weight
-    chunk once per program instead of once per 64- or 128-row tile. Each element is still one K loop in the
-    same order, one `tl.dot` per 64-wide chunk into an fp32 accumulator, zero-padded tail: the module doc's
-    conditions. Not picked until measured (issue 39, written in session 39 for the next GPU call)."""
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M + BLOCK_M2, BLOCK_N, GROUP_M)
-
-    first = pid_m * (BLOCK_M + BLOCK_M2)
-    offs_m1 = first + tl.arange(0, BLOCK_M)
-    offs_m2 = first + BLOCK_M + tl.arange(0, BLOCK_M2)
-    ok1 = offs_m1 < M
-    ok2 = offs_m2 < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_nb = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    a1_ptrs = a_ptr + tl.where(ok1, offs_m1, 0).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    a2_ptrs = a_ptr + tl.where(ok2, offs_m2, 0).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_nb[None, :] * stride_bn
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M2, BLOCK_N), dtype=tl.float32)
-    for ki in range(tl.cdiv(K, BLOCK_K)):
-        k_ok = offs_k < K - ki * BLOCK_K
-        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        a1 = tl.load(a1_ptrs, mask=ok1[:, None] & k_ok[None, :], other=0.0)
-        a2 = tl.load(a2_ptrs, mask=ok2[:, None] & k_ok[None, :], other=0.0)
-        acc1 = tl.dot(a1, b, acc1)
-        acc2 = tl.dot(a2, b, acc2)
-        a1_ptrs += BLOCK_K * stride_ak
-        a2_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-
-    offs_cn = offs_n.to(tl.int64)
-    n_ok = offs_cn[None, :] < N
-    c1 = c_ptr + offs_m1.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-    tl.store(c1, acc1.to(c_ptr.dtype.element_ty), mask=ok1[:, None] & n_ok)
-    c2 = c_ptr + offs_m2.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-    tl.store(c2, acc2.to(c_ptr.dtype.element_ty), mask=ok2[:, None] & n_ok)
-
-
-@triton.jit
 def _bi_matmul_swap_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                            stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -212,6 +167,40 @@ def _bi_matmul_persistent_kernel(a_desc, b_desc, c_desc, M, N, K,
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(tl.bfloat16))
 
 
+@triton.jit
+def _bi_matmul_persistent2_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N, K,
+                                  BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    """`_bi_matmul_persistent_kernel` with row tiles of BLOCK_M + BLOCK_M2 rows (128 + 16 = 144, 128 + 32,
+    128 + 64, 256 + 16, ...), sizes Triton's power-of-two blocks lack. A decode step of 129-144 rows then
+    computes 144 rows once per weight tile instead of 256 (two 128-row tiles, or one of 256): at Qwen3-8B's
+    wide outputs (gate_up, lm_head) those steps are compute-bound, so the padded rows are the cost (cuBLAS
+    runs 192 x 104 tiles there, docs/rollout-profile.md). Each weight chunk is loaded once and feeds two
+    `tl.dot`s: the first BLOCK_M rows as the persistent kernel does, the last BLOCK_M2 rows with the
+    operands swapped (W X^T, as `_bi_matmul_swap_kernel`), so both are wgmma instructions with at least
+    64 rows on their row side. Each element is still one K loop in order, one `tl.dot` per 64-wide chunk
+    into an fp32 accumulator, TMA's zero fill past K and M: the module doc's conditions."""
+    start = tl.program_id(0)
+    rows = BLOCK_M + BLOCK_M2
+    num_tiles = tl.cdiv(M, rows) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tile_c = start - NUM_SMS
+    for tile in tl.range(start, num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile, M, N, rows, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * rows, ki * BLOCK_K])
+            a2 = a2_desc.load([pid_m * rows + BLOCK_M, ki * BLOCK_K])
+            b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+            acc2 = tl.dot(b, a2.T, acc2)
+        tile_c += NUM_SMS
+        pid_m, pid_n = _tile_of(tile_c, M, N, rows, BLOCK_N, GROUP_M)
+        c_desc.store([pid_m * rows, pid_n * BLOCK_N], acc.to(tl.bfloat16))
+        c2_desc.store([pid_m * rows + BLOCK_M, pid_n * BLOCK_N], tl.trans(acc2.to(tl.bfloat16)))
+
+
 # (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages); BLOCK_K is always 64.
 CONFIGS = {
     "vllm": (128, 128, 8, 8, 3),      # vLLM 0.26's own bf16 config (picked at 513-1023 rows, outputs > 2048 wide)
@@ -282,13 +271,17 @@ CONFIGS = {
     "m256_n64": (256, 64, 1, 8, 3),
     "pers_m128_n64": (128, 64, 8, 4, 4),
     "pers_m64_n64": (64, 64, 8, 4, 5),
-    # Two dots per program (`_bi_matmul_2dot_kernel`, issue 39): BLOCK_M is the program's rows, split into the
-    # largest power of two below it and the rest (192 = 128 + 64, 320 = 256 + 64). Candidates for decode steps of
-    # 129-192 and 257-320 rows, written in session 39 and not yet run on a GPU: not picked.
-    "d2_m192_n32": (192, 32, 8, 4, 5),
-    "d2_m192_n64": (192, 64, 8, 4, 4),
-    "d2_m320_n32": (320, 32, 8, 4, 4),
-    "d2_m320_n64": (320, 64, 8, 8, 3),
+    # Row tiles of two parts (`_bi_matmul_persistent2_kernel`, issue 39): BLOCK_M is the tile's rows, split into
+    # the largest power of two below it and the rest (144 = 128 + 16, 272 = 256 + 16). The m144 ones are picked
+    # at 129-144 rows for outputs wider than 8192; the rest lost or tied where measured (session 40) and stay
+    # for the bitwise test and the next tuning run.
+    "p2_m144_n128": (144, 128, 8, 8, 4),
+    "p2_m144_n256": (144, 256, 8, 8, 3),
+    "p2_m160_n128": (160, 128, 8, 8, 4),
+    "p2_m192_n128": (192, 128, 8, 8, 3),
+    "p2_m272_n64": (272, 64, 8, 8, 4),
+    "p2_m272_n128": (272, 128, 8, 8, 3),
+    "p2_m320_n64": (320, 64, 8, 8, 3),
 }
 
 
@@ -326,7 +319,14 @@ def pick_config(m: int, n: int, k: int) -> str:
         4097-8192 wide: 64x32 tiles in GROUP_M 8 order to 128 rows, persistent 128x128 to 256,
           persistent 128x256 above;
         wider: persistent 128x256 when that makes at least 96 tiles, else TMA 128x128 (1.7B gate_up
-          at up to 128 rows, where 48 tiles of 128x256 leave most SMs idle).
+          at up to 128 rows, where 48 tiles of 128x256 leave most SMs idle); at 129-160 rows the
+          at 129-144 rows the two-part tile of 144 = 128 + 16 rows (x256 with at least 96 tiles, else
+          x128; session 40, 2026-11-26, H200, 0 bitwise mismatches). The padded rows were the cost there:
+          8B gate_up at 136 rows 87.3 us against 111.2 (two 128-row tiles) and cuBLAS's 65.5, lm_head
+          437.7 against 596.9 and 342.5; 8B rollouts of 129-144 sequences 6.6-10.8 % faster. At 145-160
+          rows 160 = 128 + 32 tiles won on lm_head (444-455 us against 532-535) and tied on gate_up, but
+          8B rollouts of 152 and 160 sequences were 1-2 % slower (within the two GPUs' spread): not
+          picked. Above 160 rows they lost or tied (192 = 128 + 64: 8B lm_head 514 against 472 us).
     * 1024 rows and up (long prefills, the trainer; 2026-11-26): the persistent TMA kernel with
       128x256 tiles, within -4..+6 % of cuBLAS from 2048 rows on (8B: qkv 607 us at 8192 rows
       against cuBLAS's 635 and the 256x128 pointer tiles' 739; gate_up 2,364 against 2,342 and
@@ -341,6 +341,8 @@ def pick_config(m: int, n: int, k: int) -> str:
         return "dec_m64_n32_s12" if n <= 4096 else "dec_m64_n32"
     if m <= 512:
         if n > 8192:
+            if 128 < m <= 144:
+                return "p2_m144_n256" if triton.cdiv(n, 256) >= 96 else "p2_m144_n128"
             return "pers_m128_n256" if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= 96 else "tma_m128_n128"
         if n > 4096:
             return "dec_m64_n32_g8" if m <= 128 else "pers_m128_n128" if m <= 256 else "pers_m128_n256"
@@ -385,13 +387,20 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
     bm, bn, gm, warps, stages = CONFIGS[config]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=gm, num_warps=warps, num_stages=stages)
-    if config.startswith(("pers_", "tma_")) and _tma_ok(a, w, c):
+    first = 1 << (bm.bit_length() - 1)  # a two-part row tile's first part (144 -> 128 + 16); else bm
+    if config.startswith(("pers_", "tma_", "p2_")) and _tma_ok(a, w, c):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        descs = (TensorDescriptor.from_tensor(a, [bm, BLOCK_K]), TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
-                 TensorDescriptor.from_tensor(c, [bm, bn]))
-        if config.startswith("pers_"):
-            sms = _num_sms(x.device)
+        descs = (TensorDescriptor.from_tensor(a, [first, BLOCK_K]), TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
+                 TensorDescriptor.from_tensor(c, [first, bn]))
+        sms = _num_sms(x.device)
+        if config.startswith("p2_"):
+            a_d, w_d, c_d = descs
+            a2_d, c2_d = (TensorDescriptor.from_tensor(a, [bm - first, BLOCK_K]),
+                          TensorDescriptor.from_tensor(c, [bm - first, bn]))
+            _bi_matmul_persistent2_kernel[(min(sms, grid[0]),)](
+                a_d, a2_d, w_d, c_d, c2_d, m, n, k, NUM_SMS=sms, **{**tiles, "BLOCK_M": first}, BLOCK_M2=bm - first)
+        elif config.startswith("pers_"):
             _bi_matmul_persistent_kernel[(min(sms, grid[0]),)](*descs, m, n, k, NUM_SMS=sms, **tiles)
         else:
             _bi_matmul_tma_kernel[grid](*descs, m, n, k, **tiles)
@@ -399,9 +408,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
     ptrs = (a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0), c.stride(0), c.stride(1))
     if config.startswith("swp_"):
         _bi_matmul_swap_kernel[grid](*ptrs, **tiles)
-    elif config.startswith("d2_"):
-        first = 1 << (bm.bit_length() - 1)  # 192 -> 128 + 64, 320 -> 256 + 64
-        _bi_matmul_2dot_kernel[grid](*ptrs, **{**tiles, "BLOCK_M": first}, BLOCK_M2=bm - first)
+    elif first != bm:  # a two-part tile without TMA: the pointer kernel's masked tiles of its first part
+        grid = (triton.cdiv(m, first) * triton.cdiv(n, bn),)
+        _bi_matmul_kernel[grid](*ptrs, MASK_M=True, **{**tiles, "BLOCK_M": first})
     else:
         _bi_matmul_kernel[grid](*ptrs, MASK_M=config.startswith("dec_"), **tiles)
     return c.reshape(*lead, n)
