@@ -40,23 +40,32 @@ def _dims(model_args) -> tuple[int, int, int]:
     return model_args.n_heads * model_args.head_dim, model_args.n_kv_heads * model_args.head_dim, model_args.hidden_dim
 
 
+def linear_shapes(model_args) -> dict[str, tuple[int, int]]:
+    """(N, K) of each GEMM a forward runs, by name: the fused `qkv`, `o`, the fused `gate_up` and `down` (every
+    decoder layer alike; the compat layout's weights), and `lm_head` (vocab x dim, tied or not)."""
+    d = model_args.dim
+    q, kv, inter = _dims(model_args)
+    return {"qkv": (q + 2 * kv, d), "o": (d, q), "gate_up": (2 * inter, d), "down": (d, inter),
+            "lm_head": (model_args.vocab_size, d)}
+
+
 def expected_compat_shapes(model_args) -> dict[str, tuple[int, ...]]:
     """Compat-layout names -> shapes, in canonical order."""
     a = model_args
     d, dh = a.dim, a.head_dim
-    q, kv, inter = _dims(a)
+    lin = linear_shapes(a)
     shapes = {"tok_embeddings.weight": (a.vocab_size, d)}
     for i in range(a.n_layers):
         p = f"layers.{i}."
         shapes.update({
             p + "attention_norm.weight": (d,),
-            p + "attention.qkv_proj.weight": (q + 2 * kv, d),
-            p + "attention.o_proj.weight": (d, q),
+            p + "attention.qkv_proj.weight": lin["qkv"],
+            p + "attention.o_proj.weight": lin["o"],
             p + "attention.q_norm.weight": (dh,),
             p + "attention.k_norm.weight": (dh,),
             p + "ffn_norm.weight": (d,),
-            p + "feed_forward.gate_up_proj.weight": (2 * inter, d),
-            p + "feed_forward.down_proj.weight": (d, inter),
+            p + "feed_forward.gate_up_proj.weight": lin["gate_up"],
+            p + "feed_forward.down_proj.weight": lin["down"],
         })
     shapes["norm.weight"] = (d,)
     if not a.enable_weight_tying:  # tied: the model reuses tok_embeddings as the head

@@ -24,13 +24,11 @@ ROWS = (1, 8, 64, 128, 256, 512, 2048, 8192)
 
 
 def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
-    from torchtitan_compat.config import SHAPES
+    """(N, K) of a weights.py shape's GEMMs by name (weights_vllm_compat.linear_shapes)."""
+    import weights_vllm_compat
+    from torchtitan_compat.config import hf_config_for_shape, model_args_from_hf_config
 
-    s = SHAPES[shape]
-    d, hd, h, kv, inter = (s["hidden_size"], s["head_dim"], s["num_attention_heads"],
-                           s["num_key_value_heads"], s["intermediate_size"])
-    return {"qkv": ((h + 2 * kv) * hd, d), "o": (d, h * hd), "gate_up": (2 * inter, d),
-            "down": (d, inter), "lm_head": (151936, d)}
+    return weights_vllm_compat.linear_shapes(model_args_from_hf_config(hf_config_for_shape(shape)))
 
 
 def main(argv=None) -> int:

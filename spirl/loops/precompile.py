@@ -101,10 +101,11 @@ class TritonBuilds:
 
 def linear_shapes(model_args) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """(N, K) of the model's distinct decoder-layer linears (fused qkv, o, fused gate_up, down), and of lm_head."""
-    from weights_vllm_compat import expected_compat_shapes
+    import weights_vllm_compat
 
-    body = {tuple(s) for name, s in expected_compat_shapes(model_args).items() if name.endswith("proj.weight")}
-    return sorted(body), (model_args.vocab_size, model_args.dim)
+    shapes = weights_vllm_compat.linear_shapes(model_args)
+    head = shapes.pop("lm_head")
+    return sorted(set(shapes.values())), head
 
 
 def key_rows(shapes: list[tuple[int, int]], limit: int) -> list[int]:
