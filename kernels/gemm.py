@@ -319,8 +319,8 @@ def pick_config(m: int, n: int, k: int) -> str:
         4097-8192 wide: 64x32 tiles in GROUP_M 8 order to 128 rows, persistent 128x128 to 256,
           persistent 128x256 above;
         wider: persistent 128x256 when that makes at least 96 tiles, else TMA 128x128 (1.7B gate_up
-          at up to 128 rows, where 48 tiles of 128x256 leave most SMs idle); at 129-160 rows the
-          at 129-144 rows the two-part tile of 144 = 128 + 16 rows (x256 with at least 96 tiles, else
+          at up to 128 rows, where 48 tiles of 128x256 leave most SMs idle); at 129-144 rows the
+          two-part tile of 144 = 128 + 16 rows (x256 with at least 96 tiles, else
           x128; session 40, 2026-11-26, H200, 0 bitwise mismatches). The padded rows were the cost there:
           8B gate_up at 136 rows 87.3 us against 111.2 (two 128-row tiles) and cuBLAS's 65.5, lm_head
           437.7 against 596.9 and 342.5; 8B rollouts of 129-144 sequences 6.6-10.8 % faster. At 145-160
