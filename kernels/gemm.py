@@ -141,45 +141,27 @@ def _bi_matmul_tma_kernel(a_desc, b_desc, c_desc, M, N, K,
 
 
 @triton.jit
-def _bi_matmul_persistent_kernel(a_desc, b_desc, c_desc, M, N, K,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
-    """`_bi_matmul_tma_kernel` as a persistent kernel: one program per SM walks the tiles
-    NUM_SMS apart (in `_tile_of`'s grouped order), and `flatten=True` lets Triton software-pipeline
-    across tile boundaries, so the next tile's TMA loads overlap this tile's last dots and its
-    store. Each tile still runs the same K loop in the same order, one `tl.dot` per 64-wide chunk
-    with TMA's zero fill past K and past M, so every element gets the same bits. The epilogue's
-    tile index is counted separately (`tile_c`), as Triton's persistent-matmul tutorial does, so
-    that the pipelined loop does not keep the prologue's index alive into the store."""
-    start = tl.program_id(0)
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    tile_c = start - NUM_SMS
-    for tile in tl.range(start, num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-            b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
-        tile_c += NUM_SMS
-        pid_m, pid_n = _tile_of(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(tl.bfloat16))
+def _bi_matmul_persistent_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N, K,
+                                 BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    """`_bi_matmul_tma_kernel` as a persistent kernel: one program per SM walks the tiles NUM_SMS apart (in
+    `_tile_of`'s grouped order), and `flatten=True` lets Triton software-pipeline across tile boundaries, so
+    the next tile's TMA loads overlap this tile's last dots and its store. The epilogue's tile index is
+    counted separately (`tile_c`), as Triton's persistent-matmul tutorial does, so that the pipelined loop
+    does not keep the prologue's index alive into the store.
 
+    BLOCK_M2 > 0 makes row tiles of BLOCK_M + BLOCK_M2 rows (128 + 16 = 144, 128 + 64, 256 + 16, ...), sizes
+    Triton's power-of-two blocks lack; `a2_desc` and `c2_desc` are then TMA boxes of BLOCK_M2 rows (else
+    None). A decode step of 129-144 rows then computes 144 rows once per weight tile instead of 256 (two
+    128-row tiles, or one of 256): at Qwen3-8B's wide outputs (gate_up, lm_head) those steps are
+    compute-bound, so the padded rows are the cost (cuBLAS runs 192 x 104 tiles there,
+    docs/rollout-profile.md). Each weight chunk is loaded once and feeds two `tl.dot`s: the first BLOCK_M
+    rows as above, the last BLOCK_M2 rows with the operands swapped (W X^T, as `_bi_matmul_swap_kernel`),
+    so the tensor-core instruction's row side is the weight tile, not a handful of activation rows.
 
-@triton.jit
-def _bi_matmul_persistent2_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N, K,
-                                  BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
-    """`_bi_matmul_persistent_kernel` with row tiles of BLOCK_M + BLOCK_M2 rows (128 + 16 = 144, 128 + 32,
-    128 + 64, 256 + 16, ...), sizes Triton's power-of-two blocks lack. A decode step of 129-144 rows then
-    computes 144 rows once per weight tile instead of 256 (two 128-row tiles, or one of 256): at Qwen3-8B's
-    wide outputs (gate_up, lm_head) those steps are compute-bound, so the padded rows are the cost (cuBLAS
-    runs 192 x 104 tiles there, docs/rollout-profile.md). Each weight chunk is loaded once and feeds two
-    `tl.dot`s: the first BLOCK_M rows as the persistent kernel does, the last BLOCK_M2 rows with the
-    operands swapped (W X^T, as `_bi_matmul_swap_kernel`), so both are wgmma instructions with at least
-    64 rows on their row side. Each element is still one K loop in order, one `tl.dot` per 64-wide chunk
-    into an fp32 accumulator, TMA's zero fill past K and M: the module doc's conditions."""
+    Either way each element is one K loop in order, one `tl.dot` per 64-wide chunk into an fp32
+    accumulator, with TMA's zero fill past K and past M: the module doc's conditions, so every element gets
+    vLLM's bits."""
     start = tl.program_id(0)
     rows = BLOCK_M + BLOCK_M2
     num_tiles = tl.cdiv(M, rows) * tl.cdiv(N, BLOCK_N)
@@ -188,17 +170,21 @@ def _bi_matmul_persistent2_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N
     for tile in tl.range(start, num_tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile_of(tile, M, N, rows, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
+        if BLOCK_M2 > 0:
+            acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
         for ki in range(k_tiles):
             a = a_desc.load([pid_m * rows, ki * BLOCK_K])
-            a2 = a2_desc.load([pid_m * rows + BLOCK_M, ki * BLOCK_K])
+            if BLOCK_M2 > 0:
+                a2 = a2_desc.load([pid_m * rows + BLOCK_M, ki * BLOCK_K])
             b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
-            acc2 = tl.dot(b, a2.T, acc2)
+            if BLOCK_M2 > 0:
+                acc2 = tl.dot(b, a2.T, acc2)
         tile_c += NUM_SMS
         pid_m, pid_n = _tile_of(tile_c, M, N, rows, BLOCK_N, GROUP_M)
         c_desc.store([pid_m * rows, pid_n * BLOCK_N], acc.to(tl.bfloat16))
-        c2_desc.store([pid_m * rows + BLOCK_M, pid_n * BLOCK_N], tl.trans(acc2.to(tl.bfloat16)))
+        if BLOCK_M2 > 0:
+            c2_desc.store([pid_m * rows + BLOCK_M, pid_n * BLOCK_N], tl.trans(acc2.to(tl.bfloat16)))
 
 
 # (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages); BLOCK_K is always 64.
@@ -271,17 +257,14 @@ CONFIGS = {
     "m256_n64": (256, 64, 1, 8, 3),
     "pers_m128_n64": (128, 64, 8, 4, 4),
     "pers_m64_n64": (64, 64, 8, 4, 5),
-    # Row tiles of two parts (`_bi_matmul_persistent2_kernel`, issue 39): BLOCK_M is the tile's rows, split into
-    # the largest power of two below it and the rest (144 = 128 + 16, 272 = 256 + 16). The m144 ones are picked
-    # at 129-144 rows for outputs wider than 8192; the rest lost or tied where measured (session 40) and stay
-    # for the bitwise test and the next tuning run.
+    # Row tiles of two parts (`_bi_matmul_persistent_kernel` with BLOCK_M2 > 0, issue 39): BLOCK_M is the tile's
+    # rows, split into the largest power of two below it and the rest (144 = 128 + 16). Picked at 129-144 rows for
+    # outputs wider than 8192. Sessions 40-41 also measured 160, 192, 272 and 320 rows (128/256 + 32/64/16/64),
+    # 16-64 wide tiles of 144-192 rows for the narrow layers, 256 wide tiles of 160/192 rows with 2 stages, and
+    # one-part 256 x 16/32 tiles: all bitwise vLLM's, none faster than the picks where it would be picked
+    # (docs/rollout-profile.md, sessions 40 and 41), so they are not kept.
     "p2_m144_n128": (144, 128, 8, 8, 4),
     "p2_m144_n256": (144, 256, 8, 8, 3),
-    "p2_m160_n128": (160, 128, 8, 8, 4),
-    "p2_m192_n128": (192, 128, 8, 8, 3),
-    "p2_m272_n64": (272, 64, 8, 8, 4),
-    "p2_m272_n128": (272, 128, 8, 8, 3),
-    "p2_m320_n64": (320, 64, 8, 8, 3),
 }
 
 
@@ -313,9 +296,11 @@ def pick_config(m: int, n: int, k: int) -> str:
       (1.7B), 17.2 ms at 136 against 8.9 at 128 (8B). The rule below is within 1.00-1.10x of the
       fastest config per row count (summed over a step's layers), and 0.51-1.01x the old picks.
       Masked tiles ("dec_": rows past m load zeros) or TMA (the hardware zero-fills them) everywhere:
-        outputs up to 4096 wide: 64x32 tiles to 128 rows, then 64x64 in GROUP_M 8 order (a column
-          tile's row tiles back to back, its weights from L2 after the first) to 256 rows, and to
-          512 rows at most 2048 wide; else the persistent kernel's 128x128 tiles;
+        outputs up to 4096 wide: 64x32 tiles to 128 rows, then in GROUP_M 8 order (a column tile's
+          row tiles back to back, its weights from L2 after the first) 64x32 to 256 rows at most 2048
+          wide (session 41, H100: 1.7B down 29.7-31.3 us at 136-256 rows against 31.9-32.9 for 64x64;
+          H200 29.3-30.1 against 30.8-31.0; o tied), 64x64 to 256 rows above 2048 wide and to 512 rows
+          at most 2048 wide; else the persistent kernel's 128x128 tiles;
         4097-8192 wide: 64x32 tiles in GROUP_M 8 order to 128 rows, persistent 128x128 to 256,
           persistent 128x256 above;
         wider: persistent 128x256 when that makes at least 96 tiles, else TMA 128x128 (1.7B gate_up
@@ -348,6 +333,8 @@ def pick_config(m: int, n: int, k: int) -> str:
             return "dec_m64_n32_g8" if m <= 128 else "pers_m128_n128" if m <= 256 else "pers_m128_n256"
         if m <= 128:
             return "dec_m64_n32"
+        if m <= 256 and n <= 2048:
+            return "dec_m64_n32_g8"
         return "dec_m64_n64_g8" if m <= 256 or n <= 2048 else "pers_m128_n128"
     if m < 1024:
         return "m128_n128_s5" if n <= 2048 else "vllm"
@@ -391,19 +378,17 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
     if config.startswith(("pers_", "tma_", "p2_")) and _tma_ok(a, w, c):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        descs = (TensorDescriptor.from_tensor(a, [first, BLOCK_K]), TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
-                 TensorDescriptor.from_tensor(c, [first, bn]))
+        a_d, w_d, c_d = (TensorDescriptor.from_tensor(a, [first, BLOCK_K]),
+                         TensorDescriptor.from_tensor(w, [bn, BLOCK_K]), TensorDescriptor.from_tensor(c, [first, bn]))
+        if config.startswith("tma_"):
+            _bi_matmul_tma_kernel[grid](a_d, w_d, c_d, m, n, k, **tiles)
+            return c.reshape(*lead, n)
+        m2 = bm - first  # rows of a two-part tile's second part; 0 for one-part tiles
+        a2_d, c2_d = ((TensorDescriptor.from_tensor(a, [m2, BLOCK_K]), TensorDescriptor.from_tensor(c, [m2, bn]))
+                      if m2 else (None, None))
         sms = _num_sms(x.device)
-        if config.startswith("p2_"):
-            a_d, w_d, c_d = descs
-            a2_d, c2_d = (TensorDescriptor.from_tensor(a, [bm - first, BLOCK_K]),
-                          TensorDescriptor.from_tensor(c, [bm - first, bn]))
-            _bi_matmul_persistent2_kernel[(min(sms, grid[0]),)](
-                a_d, a2_d, w_d, c_d, c2_d, m, n, k, NUM_SMS=sms, **{**tiles, "BLOCK_M": first}, BLOCK_M2=bm - first)
-        elif config.startswith("pers_"):
-            _bi_matmul_persistent_kernel[(min(sms, grid[0]),)](*descs, m, n, k, NUM_SMS=sms, **tiles)
-        else:
-            _bi_matmul_tma_kernel[grid](*descs, m, n, k, **tiles)
+        _bi_matmul_persistent_kernel[(min(sms, grid[0]),)](
+            a_d, a2_d, w_d, c_d, c2_d, m, n, k, NUM_SMS=sms, **{**tiles, "BLOCK_M": first}, BLOCK_M2=m2)
         return c.reshape(*lead, n)
     ptrs = (a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0), c.stride(0), c.stride(1))
     if config.startswith("swp_"):
