@@ -57,6 +57,12 @@ def test_engine_names_pick_graph_mode_and_capture_sizes(tmp_path):
     assert compilation_kwargs("none", (1, 2)) == {"enforce_eager": True}
     capped = compilation_kwargs("full", graph_sizes(), max_num_seqs=2)["compilation_config"]  # run_comparison.sh
     assert capped["cudagraph_capture_sizes"] == [1, 2, 4]  # as vLLM caps its own list at 2 x max_num_seqs
+    # above vLLM's own 512, only sizes up to max_model_len (vLLM 0.26 crashed capturing 768-2,048 at 96 and 256)
+    short = compilation_kwargs("full", graph_sizes(), max_model_len=96)["compilation_config"]
+    assert short["cudagraph_capture_sizes"] == list(graph_sizes(512))
+    mid = compilation_kwargs("full", graph_sizes(), max_model_len=1100)["compilation_config"]
+    assert mid["cudagraph_capture_sizes"] == list(graph_sizes(1024))
+    assert compilation_kwargs("full", graph_sizes(), max_model_len=4096) == compilation_kwargs("full", graph_sizes())
 
     assert bench_rollout.engine_options("ours") == {"cuda_graphs": VLLMEngineConfig.cuda_graphs}
     assert bench_rollout.engine_options("ours:none") == {"cuda_graphs": "none"}

@@ -73,7 +73,8 @@ class VLLMEngineConfig:
     tokens took 0.218 s with vLLM's list and 0.182 s with this one (plain vLLM 0.181 s), and at Qwen3-8B 2 x 700
     0.521 s against 0.486 s (plain 0.487 s; H100, session 39). The graphs took 0.23 GiB (1.7B) and 0.34 GiB
     (8B) beyond vLLM's memory share, inside the memory plan's fixed overhead. With `max_num_seqs` set, only the
-    sizes up to twice it are captured (`compilation_kwargs`). Padding rows are separate rows of row-wise
+    sizes up to twice it are captured, and sizes above 512 only up to `max_model_len` (`compilation_kwargs`:
+    vLLM 0.26 crashes capturing them at a small max_model_len). Padding rows are separate rows of row-wise
     kernels: no sequence's bits depend on it."""
     logprobs_mode: str = "raw_logprobs"
     """vLLM's logprobs_mode: `raw_logprobs` or `processed_logprobs` (after temperature / min-p)."""
@@ -121,15 +122,29 @@ CUDA_GRAPH_MODES = {
 }
 
 
-def compilation_kwargs(cuda_graphs: str, sizes: tuple[int, ...] | None, max_num_seqs: int | None = None) -> dict:
+VLLM_DEFAULT_MAX_GRAPH_TOKENS = 512
+"""The largest capture size of vLLM 0.26's own list (`graph_sizes(512)`)."""
+
+
+def compilation_kwargs(cuda_graphs: str, sizes: tuple[int, ...] | None, max_num_seqs: int | None = None,
+                       max_model_len: int | None = None) -> dict:
     """vllm.LLM's keyword arguments for a CUDA_GRAPH_MODES mode and capture sizes (None: vLLM's). With
     `max_num_seqs` set, only the sizes up to twice it, as vLLM caps its own list (a job of a handful of
-    sequences, such as run_comparison.sh, then captures a handful of graphs and starts faster)."""
+    sequences, such as run_comparison.sh, then captures a handful of graphs and starts faster).
+
+    With `max_model_len` set, sizes above vLLM's own largest (512) only up to max_model_len: vLLM 0.26 hits
+    an illegal memory access while capturing FULL graphs of 768-2,048 tokens when max_model_len is small,
+    in its own batch-invariant mode as in ours (H100, random Qwen3-0.6B, session 41: max_model_len 96 and
+    256 crashed with sizes to 2,048, 1,024 and 2,048 did not; 96 with sizes to 512, or to 96, did not). A step
+    larger than the largest graph runs eagerly, so this costs only the graphs of prefills longer than
+    max_model_len tokens."""
     if cuda_graphs not in CUDA_GRAPH_MODES:
         raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPH_MODES)}, got {cuda_graphs!r}")
     kwargs = dict(CUDA_GRAPH_MODES[cuda_graphs])
     if sizes is not None and max_num_seqs:
         sizes = tuple(n for n in sizes if n <= 2 * max_num_seqs) or (1,)
+    if sizes is not None and max_model_len:
+        sizes = tuple(n for n in sizes if n <= max(VLLM_DEFAULT_MAX_GRAPH_TOKENS, max_model_len)) or (1,)
     if sizes is not None and "compilation_config" in kwargs:
         kwargs["compilation_config"] = {**kwargs["compilation_config"], "cudagraph_capture_sizes": sorted(sizes)}
     return kwargs
@@ -183,7 +198,7 @@ class VLLMEngine:
 
         t0 = time.perf_counter()
         self.cfg = cfg
-        graphs = compilation_kwargs(cfg.cuda_graphs, cfg.cuda_graph_sizes, cfg.max_num_seqs)
+        graphs = compilation_kwargs(cfg.cuda_graphs, cfg.cuda_graph_sizes, cfg.max_num_seqs, cfg.max_model_len)
         self.llm = LLM(model=cfg.model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=cfg.seed,
                        enable_prefix_caching=False, gpu_memory_utilization=cfg.gpu_memory_utilization,
                        max_model_len=cfg.max_model_len, logprobs_mode=cfg.logprobs_mode,
