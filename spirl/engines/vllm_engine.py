@@ -34,6 +34,9 @@ from .base import Request
 log = logging.getLogger(__name__)
 
 
+VLLM_DEFAULT_MAX_GRAPH_TOKENS = 512
+"""The largest capture size of vLLM 0.26's own list (`graph_sizes(512)`)."""
+
 GRAPH_MAX_TOKENS = 2048
 """The largest engine step (tokens) that `graph_sizes()` captures by default; see `VLLMEngineConfig.cuda_graph_sizes`."""
 
@@ -43,7 +46,8 @@ def graph_sizes(max_tokens: int = GRAPH_MAX_TOKENS) -> tuple[int, ...]:
     H100, `VllmConfig._set_cudagraph_sizes`), then multiples of 256 up to `max_tokens`."""
     if max_tokens < 1:
         raise ValueError(f"graph_sizes: max_tokens must be at least 1, got {max_tokens}")
-    sizes = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16), *range(768, max_tokens + 1, 256))
+    top = VLLM_DEFAULT_MAX_GRAPH_TOKENS
+    sizes = (1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16), *range(top + 256, max_tokens + 1, 256))
     return tuple(n for n in sizes if n <= max_tokens)
 
 
@@ -120,10 +124,6 @@ CUDA_GRAPH_MODES = {
                                           "cudagraph_mode": "PIECEWISE"}),
     "none": dict(enforce_eager=True),
 }
-
-
-VLLM_DEFAULT_MAX_GRAPH_TOKENS = 512
-"""The largest capture size of vLLM 0.26's own list (`graph_sizes(512)`)."""
 
 
 def compilation_kwargs(cuda_graphs: str, sizes: tuple[int, ...] | None, max_num_seqs: int | None = None,
