@@ -1,12 +1,19 @@
 """The batch-invariant GEMM (kernels/gemm.py): bitwise check against vLLM's kernel, and tile tuning.
 
-    VLLM_BATCH_INVARIANT=1 python compare/bench_gemm.py [--shape Qwen3-1.7B] [--json OUT]
+    VLLM_BATCH_INVARIANT=1 python compare/bench_gemm.py [--shape Qwen3-1.7B] [--graph] [--json OUT]
 
 For every linear of the shape (qkv, o, gate_up, down, lm_head) and row counts from decode (1, 8,
 64) to training (8192), runs every config of `kernels.gemm.CONFIGS` on the same random bf16
 inputs and checks its output is bitwise equal (torch.equal) to vLLM 0.26's
-`linear_batch_invariant`; then times each (triton.testing.do_bench, median) next to vLLM's kernel
-and cuBLAS (torch.mm, what a plain bf16 model runs), and prints the fastest config per shape.
+`linear_batch_invariant`; then times each next to vLLM's kernel and cuBLAS (torch.mm, what a plain
+bf16 model runs), and prints the fastest config per shape.
+
+Timing: by default triton.testing.do_bench (median, L2 flushed), which times launches from Python.
+A GEMM of tens of microseconds then measures the host too: making TMA descriptors and launching took
+70-90 us per call on an H100 host (session 42), more than the kernel. `--graph` times what a decode
+step runs instead: the launches replayed from one CUDA graph (vLLM captures its decode steps), each
+launch on another copy of the weight so that the copies together exceed L2 and every launch reads its
+weight from HBM, as a step's layers do.
 """
 
 from __future__ import annotations
@@ -31,6 +38,40 @@ def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
     return weights_vllm_compat.linear_shapes(model_args_from_hf_config(hf_config_for_shape(shape)))
 
 
+def graph_us(call, weights: list, reps: int = 10, replays: int = 5) -> float:
+    """Median microseconds per `call(w)`, the launches replayed from one CUDA graph: `reps` rounds over
+    `weights` (copies of one weight), after a warm-up outside capture (compiles, allocations)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for w in weights:
+            call(w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for w in weights:
+                call(w)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (reps * len(weights)))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def weight_copies(w: torch.Tensor, over_bytes: int) -> list:
+    """w and copies of it, together more than `over_bytes` (three times L2), so a launch's weight is not
+    still in L2 from the launch before."""
+    n = -(-over_bytes // (w.numel() * w.element_size()))
+    return [w] + [w.clone() for _ in range(n - 1)]
+
+
 def main(argv=None) -> int:
     import triton
     from triton.runtime.errors import OutOfResources
@@ -43,20 +84,26 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
     p.add_argument("--configs", help="comma list of kernels.gemm.CONFIGS names (default: all)")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench's timing window per case")
+    p.add_argument("--graph", action="store_true",
+                   help="time launches replayed from a CUDA graph, weights from HBM (module doc), not do_bench's")
     p.add_argument("--json")
     args = p.parse_args(argv)
     configs = args.configs.split(",") if args.configs else list(gemm.CONFIGS)
     unknown = [c for c in configs if c not in gemm.CONFIGS]
     if unknown:
         p.error(f"unknown --configs {unknown}; known: {', '.join(gemm.CONFIGS)}")
-    bench = lambda f: triton.testing.do_bench(f, warmup=max(5, args.rep_ms // 4), rep=args.rep_ms,
-                                              return_mode="median") * 1e3
+    do_bench = lambda f: triton.testing.do_bench(f, warmup=max(5, args.rep_ms // 4), rep=args.rep_ms,
+                                                 return_mode="median") * 1e3
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     per_config_mismatch = dict.fromkeys(configs, 0)
     did_not_fit, picks = set(), set()
     torch.manual_seed(0)
     results = []
     for name, (n, k) in layer_shapes(args.shape).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        ws = weight_copies(w, 3 * l2) if args.graph else [w]
+        bench = ((lambda call: graph_us(call, ws)) if args.graph else
+                 (lambda call: do_bench(lambda: call(w))))
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = linear_batch_invariant(x, w)
@@ -74,10 +121,10 @@ def main(argv=None) -> int:
                 same = torch.equal(y, ref)
                 per_config_mismatch[cfg] = per_config_mismatch.get(cfg, 0) + (not same)
                 row[f"{cfg}_equal"] = same
-                row[f"{cfg}_us"] = bench(lambda: gemm.matmul(x, w, cfg))
+                row[f"{cfg}_us"] = bench(lambda w_: gemm.matmul(x, w_, cfg))
             row["picked"] = picked
-            row["vllm_kernel_us"] = bench(lambda: linear_batch_invariant(x, w))
-            row["cublas_us"] = bench(lambda: torch.mm(x, w.t()))
+            row["vllm_kernel_us"] = bench(lambda w_: linear_batch_invariant(x, w_))
+            row["cublas_us"] = bench(lambda w_: torch.mm(x, w_.t()))
             best = min(configs, key=lambda c: row[f"{c}_us"])
             row["best"] = best
             results.append(row)

@@ -25,10 +25,13 @@ engine (through `spirl.numerics.vllm_patches`) and the trainer run this kernel, 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
+
+_log = logging.getLogger(__name__)
 
 BLOCK_K = 64
 """The K step of vLLM's bf16 config; it (not the tile shape) decides every element's bits."""
@@ -187,6 +190,76 @@ def _bi_matmul_persistent_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N,
             c2_desc.store([pid_m * rows + BLOCK_M, pid_n * BLOCK_N], tl.trans(acc2.to(tl.bfloat16)))
 
 
+@triton.jit
+def _k_range(a_desc, b_desc, acc, row, col, k_lo, k_hi, BLOCK_K: tl.constexpr):
+    """acc += the 64-wide K chunks k_lo..k_hi-1 of the tile at (row, col), in order, one `tl.dot` each."""
+    for ki in range(k_lo, k_hi):
+        a = a_desc.load([row, ki * BLOCK_K])
+        b = b_desc.load([col, ki * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
+def _bi_matmul_streamk_kernel(a_desc, b_desc, c_desc, part_ptr, flag_ptr, M, N, K, PER_ROW,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Stream-K with a sequential carry. Each row tile gets PER_ROW programs; the K chunks of its column
+    tiles, laid end to end (column by column), are cut into PER_ROW equal runs, one per program. Every SM
+    then does the same work even when the tile count is not a multiple of the SM count (1.7B gate_up at
+    320 rows: 144 tiles of 128 x 256 on 132 SMs, a second wave of 12 tiles). Program q of every row tile
+    walks the same columns at the same time, so a weight tile read from HBM for one row tile is still in
+    L2 for the others (cutting the tiles in row-major order instead made each program read a column's
+    row tiles one after another, and the weights came from HBM once per row tile).
+
+    A tile cut between programs q and q + 1 is not summed from two partial sums (that would change the
+    bits): program q computes its first chunks into the fp32 accumulator and stores it, exactly, to
+    `part_ptr`'s slot, then raises its flag; program q + 1 waits for the flag, loads that accumulator and
+    continues the same K loop from the next chunk with `tl.dot(a, b, acc)`. Each element is then one K
+    loop in order, one `tl.dot` per 64-wide chunk into an fp32 accumulator, with TMA's zero fill past K
+    and M: the module doc's conditions, so every element gets vLLM's bits. The wait costs no time: each
+    program computes the head of its last tile first and the tail of its first tile last, so the head it
+    waits for was its neighbour's first job. Programs never wait on a later program, and a launch that
+    cuts tiles has at most one program per SM, all resident at once (`streamk_per_row`).
+
+    Each run is at least one tile long (PER_ROW <= column tiles), so a tile is cut at most once. The
+    consumer resets the flag to 0 (`atomic_cas`), leaving `flag_ptr` zeroed for the next launch.
+
+        a [M, K], b [N, K] (a Linear weight), c [M, N] bf16 through TMA descriptors of [BLOCK_M, BLOCK_K],
+        [BLOCK_N, BLOCK_K], [BLOCK_M, BLOCK_N]; grid (cdiv(M, BLOCK_M) * PER_ROW,); part_ptr fp32
+        [grid, BLOCK_M, BLOCK_N] (scratch); flag_ptr int32 [>= grid], zero on entry and on exit."""
+    pid = tl.program_id(0)
+    row = (pid // PER_ROW) * BLOCK_M
+    q = pid % PER_ROW
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    total = tl.cdiv(N, BLOCK_N).to(tl.int64) * k_tiles
+    it0 = q * total // PER_ROW          # this program's chunks of its row tile: [it0, it1)
+    it1 = (q + 1) * total // PER_ROW
+    n_first = (it0 // k_tiles).to(tl.int32)
+    n_last = ((it1 - 1) // k_tiles).to(tl.int32)
+    k_tail = (it0 - n_first * k_tiles).to(tl.int32)   # > 0: the first tile's first k_tail chunks are q - 1's
+    k_head = (it1 - n_last * k_tiles).to(tl.int32)    # < k_tiles: the last tile's rest is q + 1's
+    tile_elems = BLOCK_M * BLOCK_N
+    slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+
+    if k_head < k_tiles:  # 1. the head of the last tile, for program q + 1
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _k_range(a_desc, b_desc, acc, row, n_last * BLOCK_N, 0, k_head, BLOCK_K)
+        tl.store(part_ptr + pid * tile_elems + slot, acc)
+        tl.debug_barrier()  # every thread's store before the flag
+        tl.atomic_xchg(flag_ptr + pid, 1, sem="release", scope="gpu")
+    for n in range(n_first + (k_tail > 0).to(tl.int32), n_last + (k_head == k_tiles).to(tl.int32)):  # 2. whole
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _k_range(a_desc, b_desc, acc, row, n * BLOCK_N, 0, k_tiles, BLOCK_K)
+        c_desc.store([row, n * BLOCK_N], acc.to(tl.bfloat16))
+    if k_tail > 0:  # 3. the tail of the first tile, after program q - 1's head of it
+        while tl.atomic_cas(flag_ptr + pid - 1, 1, 0, sem="acquire", scope="gpu") != 1:
+            pass
+        tl.debug_barrier()
+        acc = tl.load(part_ptr + (pid - 1) * tile_elems + slot, cache_modifier=".cg")
+        acc = _k_range(a_desc, b_desc, acc, row, n_first * BLOCK_N, k_tail, k_tiles, BLOCK_K)
+        c_desc.store([row, n_first * BLOCK_N], acc.to(tl.bfloat16))
+
+
 # (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages); BLOCK_K is always 64.
 CONFIGS = {
     "vllm": (128, 128, 8, 8, 3),      # vLLM 0.26's own bf16 config (picked at 513-1023 rows, outputs > 2048 wide)
@@ -265,7 +338,20 @@ CONFIGS = {
     # (docs/rollout-profile.md, sessions 40 and 41), so they are not kept.
     "p2_m144_n128": (144, 128, 8, 8, 4),
     "p2_m144_n256": (144, 256, 8, 8, 3),
+    # Stream-K with a sequential carry (`_bi_matmul_streamk_kernel`, issue 39, session 42): the SMs shared out
+    # among the row tiles, each the same number of K chunks, for tile counts that leave a last wave part-empty.
+    # GROUP_M is unused (the kernel walks every row tile's columns in step).
+    "sk_m64_n32": (64, 32, 1, 4, 6),
+    "sk_m64_n64": (64, 64, 1, 4, 5),
+    "sk_m64_n128": (64, 128, 1, 4, 4),
+    "sk_m128_n64": (128, 64, 1, 4, 4),
+    "sk_m128_n128": (128, 128, 1, 8, 4),
+    "sk_m128_n256": (128, 256, 1, 8, 3),
 }
+
+
+_H100_SMS = 132
+"""SMs of the H100 (and H200) the picks were measured on: `pick_config` reads waves of this many programs."""
 
 
 def pick_config(m: int, n: int, k: int) -> str:
@@ -296,11 +382,12 @@ def pick_config(m: int, n: int, k: int) -> str:
       (1.7B), 17.2 ms at 136 against 8.9 at 128 (8B). The rule below is within 1.00-1.10x of the
       fastest config per row count (summed over a step's layers), and 0.51-1.01x the old picks.
       Masked tiles ("dec_": rows past m load zeros) or TMA (the hardware zero-fills them) everywhere:
-        outputs up to 4096 wide: 64x32 tiles to 128 rows, then in GROUP_M 8 order (a column tile's
-          row tiles back to back, its weights from L2 after the first) 64x32 to 256 rows at most 2048
-          wide (session 41, H100: 1.7B down 29.7-31.3 us at 136-256 rows against 31.9-32.9 for 64x64;
-          H200 29.3-30.1 against 30.8-31.0; o tied), 64x64 to 256 rows above 2048 wide and to 512 rows
-          at most 2048 wide; else the persistent kernel's 128x128 tiles;
+        outputs up to 4096 wide: 64x32 tiles to 128 rows, then 64x64 tiles in GROUP_M 8 order (a
+          column tile's row tiles back to back, its weights from L2 after the first) to 256 rows, and
+          to 512 rows at most 2048 wide; else the persistent kernel's 128x128 tiles. (Session 41 took
+          64x32 tiles at 129-256 rows at most 2048 wide from do_bench; replayed from a CUDA graph, as
+          decode runs them, 64x64 won in three runs of session 42: 1.7B down 23.0-23.7 us against
+          24.2-27.0, o 9.1-9.3 against 9.9-10.5);
         4097-8192 wide: 64x32 tiles in GROUP_M 8 order to 128 rows, persistent 128x128 to 256,
           persistent 128x256 above;
         wider: persistent 128x256 when that makes at least 96 tiles, else TMA 128x128 (1.7B gate_up
@@ -312,6 +399,16 @@ def pick_config(m: int, n: int, k: int) -> str:
           rows 160 = 128 + 32 tiles won on lm_head (444-455 us against 532-535) and tied on gate_up, but
           8B rollouts of 152 and 160 sequences were 1-2 % slower (within the two GPUs' spread): not
           picked. Above 160 rows they lost or tied (192 = 128 + 64: 8B lm_head 514 against 472 us).
+          At 145-512 rows, stream-K 128x256 tiles (`sk_m128_n256`) where 128x256 tiles make 133-165: a
+          second wave of at most a quarter of the 132 SMs, which stream-K shares out (session 42, H100,
+          `bench_gemm.py --graph`, two runs: 1.7B gate_up at 272-384 rows 41.4-45.6 us against
+          49.2-50.6; Qwen3-4B gate_up at 200-256 rows 61.5-61.7 against 66.6-67.6, at 152 rows 66.0
+          against 64.7). Where the last wave is fuller it lost (8B gate_up at 160 rows, 1.45 waves:
+          120.3 against 104.2; 8B lm_head's many waves: 1.03-1.25x slower).
+    * Timings from session 42 on are CUDA-graph replays with the weights from HBM
+      (`compare/bench_gemm.py --graph`): do_bench's launches from Python took 70-90 us of host time
+      per TMA-descriptor launch on that host, more than most decode GEMMs, and ranked the TMA configs
+      behind the pointer kernel's by that.
     * 1024 rows and up (long prefills, the trainer; 2026-11-26): the persistent TMA kernel with
       128x256 tiles, within -4..+6 % of cuBLAS from 2048 rows on (8B: qkv 607 us at 8192 rows
       against cuBLAS's 635 and the 256x128 pointer tiles' 739; gate_up 2,364 against 2,342 and
@@ -328,13 +425,16 @@ def pick_config(m: int, n: int, k: int) -> str:
         if n > 8192:
             if 128 < m <= 144:
                 return "p2_m144_n256" if triton.cdiv(n, 256) >= 96 else "p2_m144_n128"
-            return "pers_m128_n256" if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= 96 else "tma_m128_n128"
+            tiles = triton.cdiv(m, 128) * triton.cdiv(n, 256)
+            if m <= 128:
+                return "pers_m128_n256" if tiles >= 96 else "tma_m128_n128"
+            if _H100_SMS < tiles <= _H100_SMS * 5 // 4:  # a second wave of at most a quarter of the SMs
+                return "sk_m128_n256"
+            return "pers_m128_n256"
         if n > 4096:
             return "dec_m64_n32_g8" if m <= 128 else "pers_m128_n128" if m <= 256 else "pers_m128_n256"
         if m <= 128:
             return "dec_m64_n32"
-        if m <= 256 and n <= 2048:
-            return "dec_m64_n32_g8"
         return "dec_m64_n64_g8" if m <= 256 or n <= 2048 else "pers_m128_n128"
     if m < 1024:
         return "m128_n128_s5" if n <= 2048 else "vllm"
@@ -347,6 +447,34 @@ def pick_config(m: int, n: int, k: int) -> str:
 def _num_sms(device: torch.device) -> int:
     """The persistent kernel's program count: one per SM of the device."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def streamk_per_row(m: int, n: int, bm: int, bn: int, sms: int) -> int:
+    """Programs per row tile of `_bi_matmul_streamk_kernel`: the SMs shared out among the row tiles, at most
+    one per column tile (each program's run at least one tile long). Where that leaves one program per row
+    tile (more row tiles than SMs: long prefills), no tile is cut and nothing waits, so the launch may
+    have more programs than SMs."""
+    return max(1, min(sms // triton.cdiv(m, bm), triton.cdiv(n, bn)))
+
+
+_STREAMK_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def _streamk_flags(device: torch.device) -> torch.Tensor | None:
+    """The stream-K kernel's int32 flags, one per SM, zero between launches (the kernel resets what it raises).
+    Made on the first stream-K call outside CUDA-graph capture: made inside one, the zeroing would only be
+    recorded, not run, so a capture before any eager call gets None (the caller then runs the same tiles
+    without stream-K: the same bits). One buffer per device: two stream-K GEMMs must not run at once on
+    two streams of one device (neither vLLM's engine nor the trainer does that)."""
+    flags = _STREAMK_FLAGS.get(device)
+    if flags is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            _log.warning("kernels.gemm: a stream-K GEMM was first called inside CUDA-graph capture; the graph runs "
+                         "the same tiles without stream-K (same bits, slower). Call kernels.gemm.matmul once "
+                         "outside capture first.")
+            return None
+        flags = _STREAMK_FLAGS[device] = torch.zeros(_num_sms(device), dtype=torch.int32, device=device)
+    return flags
 
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
@@ -375,13 +503,21 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=gm, num_warps=warps, num_stages=stages)
     first = 1 << (bm.bit_length() - 1)  # a two-part row tile's first part (144 -> 128 + 16); else bm
-    if config.startswith(("pers_", "tma_", "p2_")) and _tma_ok(a, w, c):
+    flags = _streamk_flags(x.device) if config.startswith("sk_") else None
+    if (config.startswith(("pers_", "tma_", "p2_")) or flags is not None) and _tma_ok(a, w, c):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         a_d, w_d, c_d = (TensorDescriptor.from_tensor(a, [first, BLOCK_K]),
                          TensorDescriptor.from_tensor(w, [bn, BLOCK_K]), TensorDescriptor.from_tensor(c, [first, bn]))
         if config.startswith("tma_"):
             _bi_matmul_tma_kernel[grid](a_d, w_d, c_d, m, n, k, **tiles)
+            return c.reshape(*lead, n)
+        if flags is not None:
+            per_row = streamk_per_row(m, n, bm, bn, _num_sms(x.device))
+            programs = triton.cdiv(m, bm) * per_row
+            part = torch.empty((programs, bm, bn), device=x.device, dtype=torch.float32)
+            _bi_matmul_streamk_kernel[(programs,)](a_d, w_d, c_d, part, flags, m, n, k, per_row,
+                                                   **{key: v for key, v in tiles.items() if key != "GROUP_M"})
             return c.reshape(*lead, n)
         m2 = bm - first  # rows of a two-part tile's second part; 0 for one-part tiles
         a2_d, c2_d = ((TensorDescriptor.from_tensor(a, [m2, BLOCK_K]), TensorDescriptor.from_tensor(c, [m2, bn]))
@@ -397,5 +533,5 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
         grid = (triton.cdiv(m, first) * triton.cdiv(n, bn),)
         _bi_matmul_kernel[grid](*ptrs, MASK_M=True, **{**tiles, "BLOCK_M": first})
     else:
-        _bi_matmul_kernel[grid](*ptrs, MASK_M=config.startswith("dec_"), **tiles)
+        _bi_matmul_kernel[grid](*ptrs, MASK_M=config.startswith(("dec_", "sk_")), **tiles)
     return c.reshape(*lead, n)

@@ -22,6 +22,11 @@ for m, n, k in [(1, 96, 200), (20, 40, 72), (130, 264, 136)]:   # no dimension a
     w = torch.randn(n, k).to(torch.bfloat16)
     ref = gemm.matmul(x, w, "vllm")
     bad += [(m, n, k, c) for c in gemm.CONFIGS if not torch.equal(gemm.matmul(x, w, c), ref)]
+    # a stream-K config first called inside CUDA-graph capture (no flags yet) runs the pointer kernel's tiles
+    real_flags, gemm._streamk_flags = gemm._streamk_flags, lambda device: None
+    bad += [(m, n, k, c, "no flags") for c in gemm.CONFIGS if c.startswith("sk_")
+            and not torch.equal(gemm.matmul(x, w, c), ref)]
+    gemm._streamk_flags = real_flags
 print(bad or "ok")
 """
 
@@ -41,7 +46,7 @@ def test_decode_steps_of_65_to_512_rows_take_masked_or_tma_tiles():
     """A decode step runs the GEMMs at a CUDA-graph capture size (multiples of 8 to 256, then of 16). At the
     sizes that are not multiples of 16 or leave a thin last row tile (72, 136, 200, 272 rows), the unmasked
     pointer tiles ran 1.3-2x slower than masked ("dec_") or TMA tiles on an H100 (docs/rollout-profile.md,
-    issue 39), so no real Qwen3 linear may get one there (the two-part "p2_" tiles are TMA tiles)."""
+    issue 39), so no real Qwen3 linear may get one there (the two-part "p2_" and stream-K "sk_" tiles are TMA tiles)."""
     from compare.bench_gemm import layer_shapes
     from torchtitan_compat.config import SHAPES
 
@@ -52,4 +57,43 @@ def test_decode_steps_of_65_to_512_rows_take_masked_or_tma_tiles():
         for layer, (n, k) in layer_shapes(shape).items():
             for m in capture:
                 config = pick_config(m, n, k)
-                assert config.startswith(("dec_", "pers_", "tma_", "p2_")), (shape, layer, m, config)
+                assert config.startswith(("dec_", "pers_", "tma_", "p2_", "sk_")), (shape, layer, m, config)
+
+
+_STREAMK = r"""
+import torch
+import kernels.gemm as gemm
+from triton.tools.tensor_descriptor import TensorDescriptor as D
+
+# float32 (the interpreter's bf16 dot is not the GPU's): the stream-K kernel against the persistent kernel
+# with the same tiles, whose K loop runs whole in one program. SM counts 2-7 cut tiles at many points.
+torch.manual_seed(0)
+bad, cut, launches = [], 0, 0
+for sms in (2, 3, 5, 7):
+    for m, n, k in [(20, 1000, 136), (130, 1032, 200), (72, 520, 520), (200, 264, 1000), (20, 40, 72)]:
+        x, w = torch.randn(m, k), torch.randn(n, k)
+        for c in [c for c in gemm.CONFIGS if c.startswith("sk_")]:
+            bm, bn = gemm.CONFIGS[c][:2]
+            per_row = gemm.streamk_per_row(m, n, bm, bn, sms)
+            programs = -(-m // bm) * per_row
+            launches += 1
+            cut += (-(-n // bn) * -(-k // 64)) % per_row != 0
+            y, ref = torch.full((m, n), float("nan")), torch.full((m, n), float("nan"))
+            flags = torch.zeros(programs, dtype=torch.int32)
+            gemm._bi_matmul_streamk_kernel[(programs,)](D.from_tensor(x, [bm, 64]), D.from_tensor(w, [bn, 64]),
+                D.from_tensor(y, [bm, bn]), torch.empty(programs, bm, bn), flags, m, n, k, per_row,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64)
+            gemm._bi_matmul_persistent_kernel[(1,)](D.from_tensor(x, [bm, 64]), None, D.from_tensor(w, [bn, 64]),
+                D.from_tensor(ref, [bm, bn]), None, m, n, k, BLOCK_M=bm, BLOCK_M2=0, BLOCK_N=bn, BLOCK_K=64,
+                GROUP_M=1, NUM_SMS=1)
+            if not torch.equal(y, ref) or flags.any():
+                bad.append((sms, m, n, k, c))
+print(bad or ("ok" if cut >= 20 else f"only {cut} of {launches} launches cut a tile"))
+"""
+
+
+def test_stream_k_carries_each_tile_s_accumulator_exactly_and_leaves_the_flags_zero(triton_interpreter):
+    """Every element of the stream-K kernel equals the one-program K loop's (the carried fp32 accumulator
+    is the register one), no element is left unwritten (NaN-filled outputs), and each launch leaves its
+    flags at zero for the next. At least 20 of the 120 launches cut tiles (21 when written)."""
+    assert triton_interpreter("-c", _STREAMK, timeout=600).strip() == "ok"

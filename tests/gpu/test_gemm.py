@@ -49,3 +49,27 @@ def test_lm_head_rows_alone_equal_rows_in_a_batch(vllm_linear):
     assert torch.equal(full, vllm_linear(x, w))
     for lo, hi in [(0, 1), (5, 37), (100, 612), (612, 700)]:
         assert torch.equal(matmul(x[lo:hi], w), full[lo:hi])
+
+
+def test_stream_k_launches_back_to_back_and_in_a_cuda_graph(vllm_linear):
+    """The stream-K kernel's flags are left at zero by each launch (the consumer resets them), so launch after
+    launch, eager and replayed from a CUDA graph (as vLLM's decode runs it), every output is vLLM's bits. At
+    Qwen3-8B's down projection, 136 rows, 64x64 tiles make 192 tiles: more than one SM's share each, so tiles
+    are cut between programs."""
+    w = rand(4096, 12288, seed=4)
+    x = rand(136, 12288, seed=5)
+    ref = vllm_linear(x, w)
+    outs = [matmul(x, w, "sk_m64_n64") for _ in range(50)]
+    assert all(torch.equal(y, ref) for y in outs)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        matmul(x, w, "sk_m64_n64")  # warm-up outside capture, as vLLM's capture does
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = matmul(x, w, "sk_m64_n64")
+    for _ in range(20):
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, ref)
