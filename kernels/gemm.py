@@ -128,6 +128,16 @@ def _bi_matmul_swap_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
 
 
 @triton.jit
+def _k_range(a_desc, b_desc, acc, row, col, k_lo, k_hi, BLOCK_K: tl.constexpr):
+    """acc += the 64-wide K chunks k_lo..k_hi-1 of the tile at (row, col), in order, one `tl.dot` each."""
+    for ki in range(k_lo, k_hi):
+        a = a_desc.load([row, ki * BLOCK_K])
+        b = b_desc.load([col, ki * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
 def _bi_matmul_tma_kernel(a_desc, b_desc, c_desc, M, N, K,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr):
@@ -136,10 +146,7 @@ def _bi_matmul_tma_kernel(a_desc, b_desc, c_desc, M, N, K,
     elements with zeros, as the masked loads do, so every element gets the same bits."""
     pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(tl.cdiv(K, BLOCK_K)):
-        a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-        b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
-        acc = tl.dot(a, b.T, acc)
+    acc = _k_range(a_desc, b_desc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, tl.cdiv(K, BLOCK_K), BLOCK_K)
     c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(tl.bfloat16))
 
 
@@ -188,16 +195,6 @@ def _bi_matmul_persistent_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N,
         c_desc.store([pid_m * rows, pid_n * BLOCK_N], acc.to(tl.bfloat16))
         if BLOCK_M2 > 0:
             c2_desc.store([pid_m * rows + BLOCK_M, pid_n * BLOCK_N], tl.trans(acc2.to(tl.bfloat16)))
-
-
-@triton.jit
-def _k_range(a_desc, b_desc, acc, row, col, k_lo, k_hi, BLOCK_K: tl.constexpr):
-    """acc += the 64-wide K chunks k_lo..k_hi-1 of the tile at (row, col), in order, one `tl.dot` each."""
-    for ki in range(k_lo, k_hi):
-        a = a_desc.load([row, ki * BLOCK_K])
-        b = b_desc.load([col, ki * BLOCK_K])
-        acc = tl.dot(a, b.T, acc)
-    return acc
 
 
 @triton.jit
