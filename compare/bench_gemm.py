@@ -1,6 +1,6 @@
 """The batch-invariant GEMM (kernels/gemm.py): bitwise check against vLLM's kernel, and tile tuning.
 
-    VLLM_BATCH_INVARIANT=1 python compare/bench_gemm.py [--shape Qwen3-1.7B] [--graph] [--json OUT]
+    VLLM_BATCH_INVARIANT=1 python compare/bench_gemm.py [--shape Qwen3-1.7B] [--layers o,down] [--graph] [--json OUT]
 
 For every linear of the shape (qkv, o, gate_up, down, lm_head) and row counts from decode (1, 8,
 64) to training (8192), runs every config of `kernels.gemm.CONFIGS` on the same random bf16
@@ -83,6 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="Qwen3-1.7B")
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
     p.add_argument("--configs", help="comma list of kernels.gemm.CONFIGS names (default: all)")
+    p.add_argument("--layers", help="comma list of the shape's GEMMs to run (default: all of qkv, o, gate_up, "
+                                    "down, lm_head)")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench's timing window per case")
     p.add_argument("--graph", action="store_true",
                    help="time launches replayed from a CUDA graph, weights from HBM (module doc), not do_bench's")
@@ -92,6 +94,10 @@ def main(argv=None) -> int:
     unknown = [c for c in configs if c not in gemm.CONFIGS]
     if unknown:
         p.error(f"unknown --configs {unknown}; known: {', '.join(gemm.CONFIGS)}")
+    shapes = layer_shapes(args.shape)
+    layers = args.layers.split(",") if args.layers else list(shapes)
+    if set(layers) - set(shapes):
+        p.error(f"unknown --layers {sorted(set(layers) - set(shapes))}; {args.shape} has {', '.join(shapes)}")
     do_bench = lambda f: triton.testing.do_bench(f, warmup=max(5, args.rep_ms // 4), rep=args.rep_ms,
                                                  return_mode="median") * 1e3
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
@@ -99,7 +105,8 @@ def main(argv=None) -> int:
     did_not_fit, picks = set(), set()
     torch.manual_seed(0)
     results = []
-    for name, (n, k) in layer_shapes(args.shape).items():
+    for name in layers:
+        n, k = shapes[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         ws = weight_copies(w, 3 * l2) if args.graph else [w]
         bench = ((lambda call: graph_us(call, ws)) if args.graph else

@@ -344,6 +344,10 @@ CONFIGS = {
     "sk_m128_n64": (128, 64, 1, 4, 4),
     "sk_m128_n128": (128, 128, 1, 8, 4),
     "sk_m128_n256": (128, 256, 1, 8, 3),
+    # One wave of 64-row tiles with deep pipelines (issue 39, session 43): where the tiles fit one program per SM,
+    # 7-8 stages keep as many bytes in flight per SM as two programs of 5 stages (`pick_config`).
+    "dec_m64_n64_s8": (64, 64, 1, 4, 8),
+    "dec_m64_n128_s7": (64, 128, 1, 4, 7),
 }
 
 
@@ -402,6 +406,18 @@ def pick_config(m: int, n: int, k: int) -> str:
           49.2-50.6; Qwen3-4B gate_up at 200-256 rows 61.5-61.7 against 66.6-67.6, at 152 rows 66.0
           against 64.7). Where the last wave is fuller it lost (8B gate_up at 160 rows, 1.45 waves:
           120.3 against 104.2; 8B lm_head's many waves: 1.03-1.25x slower).
+      Outputs up to 4096 wide, before the rule above (session 43, H100, `bench_gemm.py --graph`, Qwen3-1.7B, 4B
+        and 8B qkv/o/down at 72-512 rows): where 64x64 tiles fit one wave (at most one program per SM), 64x64
+        with 8 stages; where they would leave a second wave of at most a quarter of the SMs, 64x128 with 7 stages
+        (one wave). One program then keeps as many bytes in flight as two 5-stage programs on one SM did. Not at
+        up to 128 rows where 64x32 tiles already make one wave (1.7B o/down: 16 stages there were no faster).
+        Per decode step, qkv + o + down against the picks they replace, same run: 8B 65-128 rows -1..-8 %
+        (o 19.0 -> 16.8 us, down 50.8 -> 45.0 at 72 rows), 4B 65-256 rows -5..-14 % (down 39.3 -> 33.9 at 136),
+        1.7B 65-320 rows -3..-6 % (down 23.3 -> 21.3 at 136). At 1.45 waves or more of 64x64 tiles the 64x128
+        one-wave tiles were within +-5 % of the picks (8B o at 136 rows 21.9 us against 23.1; 1.7B down at 384
+        rows 33.8 against 32.7): not picked. A stream-K variant of the pointer kernel (cut tiles carried as in
+        `_bi_matmul_streamk_kernel`) was slower where it cut tiles (8B o at 136 rows 24.8 us against 23.0) and is
+        not kept (docs/rollout-profile.md, session 43).
     * Timings from session 42 on are CUDA-graph replays with the weights from HBM
       (`compare/bench_gemm.py --graph`): do_bench's launches from Python took 70-90 us of host time
       per TMA-descriptor launch on that host, more than most decode GEMMs, and ranked the TMA configs
@@ -430,6 +446,12 @@ def pick_config(m: int, n: int, k: int) -> str:
             return "pers_m128_n256"
         if n > 4096:
             return "dec_m64_n32_g8" if m <= 128 else "pers_m128_n128" if m <= 256 else "pers_m128_n256"
+        tiles = triton.cdiv(m, 64) * triton.cdiv(n, 64)
+        if m > 128 or triton.cdiv(m, 64) * triton.cdiv(n, 32) > _H100_SMS:  # 64x32 tiles not one wave
+            if tiles <= _H100_SMS:  # one wave of 64x64 tiles, one program per SM with a deep pipeline
+                return "dec_m64_n64_s8"
+            if tiles <= _H100_SMS * 5 // 4:  # 64x64 tiles would leave a second wave of at most a quarter
+                return "dec_m64_n128_s7"
         if m <= 128:
             return "dec_m64_n32"
         return "dec_m64_n64_g8" if m <= 256 or n <= 2048 else "pers_m128_n128"

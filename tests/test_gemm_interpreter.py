@@ -97,3 +97,26 @@ def test_stream_k_carries_each_tile_s_accumulator_exactly_and_leaves_the_flags_z
     is the register one), no element is left unwritten (NaN-filled outputs), and each launch leaves its
     flags at zero for the next. At least 20 of the 120 launches cut tiles (21 when written)."""
     assert triton_interpreter("-c", _STREAMK, timeout=600).strip() == "ok"
+
+
+def test_deep_pipeline_decode_tiles_are_picked_only_where_they_make_one_wave():
+    """The 7-8-stage 64-row tiles (session 43) hold one program per SM; picked where the tiles would need a
+    second wave, a program would wait for an SM (the picks are timed only as one wave). Each must also be
+    picked somewhere among the real Qwen3 linears at decode steps of 65-512 rows."""
+    import triton
+
+    from compare.bench_gemm import layer_shapes
+    from kernels.gemm import _H100_SMS
+    from torchtitan_compat.config import SHAPES
+
+    capture = [*range(72, 257, 8), *range(272, 513, 16)]
+    seen = set()
+    for shape in (s for s in SHAPES if s.startswith("Qwen3")):
+        for n, k in layer_shapes(shape).values():
+            for m in capture:
+                config = pick_config(m, n, k)
+                if config in ("dec_m64_n64_s8", "dec_m64_n128_s7"):
+                    bm, bn = CONFIGS[config][:2]
+                    assert triton.cdiv(m, bm) * triton.cdiv(n, bn) <= _H100_SMS, (shape, n, k, m, config)
+                    seen.add(config)
+    assert seen == {"dec_m64_n64_s8", "dec_m64_n128_s7"}
