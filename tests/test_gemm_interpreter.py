@@ -42,22 +42,28 @@ def test_pick_config_names_a_config_for_every_shape():
             assert pick_config(m, n, k) in CONFIGS, (m, n, k)
 
 
+def _decode_step_picks():
+    """(shape, layer, N, K, rows, pick) for every real Qwen3 linear at every decode step of 65-512 rows: the
+    CUDA-graph capture sizes vLLM 0.26 uses on an H100 (`compare.rollout_sweep.capture_sizes`), which a
+    decode step's GEMMs always run at."""
+    from compare.bench_gemm import layer_shapes
+    from compare.rollout_sweep import capture_sizes
+    from torchtitan_compat.config import SHAPES
+
+    rows = [m for m in capture_sizes() if m > 64]
+    for shape in (s for s in SHAPES if s.startswith("Qwen3")):
+        for layer, (n, k) in layer_shapes(shape).items():
+            for m in rows:
+                yield shape, layer, n, k, m, pick_config(m, n, k)
+
+
 def test_decode_steps_of_65_to_512_rows_take_masked_or_tma_tiles():
     """A decode step runs the GEMMs at a CUDA-graph capture size (multiples of 8 to 256, then of 16). At the
     sizes that are not multiples of 16 or leave a thin last row tile (72, 136, 200, 272 rows), the unmasked
     pointer tiles ran 1.3-2x slower than masked ("dec_") or TMA tiles on an H100 (docs/rollout-profile.md,
     issue 39), so no real Qwen3 linear may get one there (the two-part "p2_" and stream-K "sk_" tiles are TMA tiles)."""
-    from compare.bench_gemm import layer_shapes
-    from torchtitan_compat.config import SHAPES
-
-    capture = [*range(72, 257, 8), *range(272, 513, 16)]
-    for shape in SHAPES:
-        if not shape.startswith("Qwen3"):
-            continue
-        for layer, (n, k) in layer_shapes(shape).items():
-            for m in capture:
-                config = pick_config(m, n, k)
-                assert config.startswith(("dec_", "pers_", "tma_", "p2_", "sk_")), (shape, layer, m, config)
+    for shape, layer, _, _, m, config in _decode_step_picks():
+        assert config.startswith(("dec_", "pers_", "tma_", "p2_", "sk_")), (shape, layer, m, config)
 
 
 _STREAMK = r"""
@@ -105,18 +111,12 @@ def test_deep_pipeline_decode_tiles_are_picked_only_where_they_make_one_wave():
     picked somewhere among the real Qwen3 linears at decode steps of 65-512 rows."""
     import triton
 
-    from compare.bench_gemm import layer_shapes
     from kernels.gemm import _H100_SMS
-    from torchtitan_compat.config import SHAPES
 
-    capture = [*range(72, 257, 8), *range(272, 513, 16)]
     seen = set()
-    for shape in (s for s in SHAPES if s.startswith("Qwen3")):
-        for n, k in layer_shapes(shape).values():
-            for m in capture:
-                config = pick_config(m, n, k)
-                if config in ("dec_m64_n64_s8", "dec_m64_n128_s7"):
-                    bm, bn = CONFIGS[config][:2]
-                    assert triton.cdiv(m, bm) * triton.cdiv(n, bn) <= _H100_SMS, (shape, n, k, m, config)
-                    seen.add(config)
+    for shape, _, n, k, m, config in _decode_step_picks():
+        if config in ("dec_m64_n64_s8", "dec_m64_n128_s7"):
+            bm, bn = CONFIGS[config][:2]
+            assert triton.cdiv(m, bm) * triton.cdiv(n, bn) <= _H100_SMS, (shape, n, k, m, config)
+            seen.add(config)
     assert seen == {"dec_m64_n64_s8", "dec_m64_n128_s7"}
