@@ -348,6 +348,17 @@ CONFIGS = {
     # 7-8 stages keep as many bytes in flight per SM as two programs of 5 stages (`pick_config`).
     "dec_m64_n64_s8": (64, 64, 1, 4, 8),
     "dec_m64_n128_s7": (64, 128, 1, 4, 7),
+    # Warp-specialized TMA tiles (kernels/gemm_ws.py, issue 39, session 44): a loader warp keeps `num_stages` K
+    # chunks in flight while the MMA warps (num_warps) wait on mbarriers only. Off Hopper, or for tensors TMA cannot
+    # address, the pointer kernel runs the same tile with rows past M masked (the same bits).
+    "ws_m64_n64_s6": (64, 64, 8, 4, 6),
+    "ws_m64_n128_s6": (64, 128, 8, 4, 6),
+    "ws_m64_n128_s8": (64, 128, 8, 4, 8),
+    "ws_m128_n64_s8": (128, 64, 8, 4, 8),
+    "ws_m128_n128_s5": (128, 128, 8, 4, 5),
+    "ws_m128_n128_s6": (128, 128, 8, 4, 6),
+    "ws_m64_n256_s5": (64, 256, 8, 4, 5),
+    "ws_m128_n256_s4": (128, 256, 8, 8, 4),
 }
 
 
@@ -418,6 +429,17 @@ def pick_config(m: int, n: int, k: int) -> str:
         rows 33.8 against 32.7): not picked. A stream-K variant of the pointer kernel (cut tiles carried as in
         `_bi_matmul_streamk_kernel`) was slower where it cut tiles (8B o at 136 rows 24.8 us against 23.0) and is
         not kept (docs/rollout-profile.md, session 43).
+    * Outputs up to 8192 wide at 65-512 rows, before the rules above for them (which now give only the one-wave
+      pointer tiles at up to 128 rows, and the persistent kernel where K < 2560 and the tiles below make more
+      than one wave; `dec_m64_n32_g8`, `dec_m64_n64_g8` and `dec_m64_n128_s7` are no longer picked) (issue 39, session 44, H100, `bench_gemm.py --graph`, Qwen3-1.7B, 4B and 8B qkv/o/down at 72-512
+      rows, all bitwise vLLM's): the warp-specialized TMA kernel (kernels/gemm_ws.py), 64x128 tiles with 8
+      stages where they make one wave, else 64x256 tiles with 5 stages where those do and K is at least 2560.
+      Per layer against the picks they replace: 8B down 64-66 -> 47-55 us at 136-256 rows (cuBLAS 47-50), 8B o
+      22.7-23.1 -> 17.8-21.6, 8B qkv 30.8-36.2 -> 28.0-30.4, 8B o/down/qkv at 272-512 rows -3..-27 %, 4B o/down
+      at 136-384 rows 21-55 -> 15-36, 1.7B down at 136-512 rows 21-33 -> 19-22. The pointer kernel's one-wave
+      tiles stay at up to 128 rows (1.7B/8B o and down at 72-96 rows: 8.0/17.0/18.2/44.8 us against the warp-
+      specialized 9.4/17.9/20.5/46.5). At K = 2048 (1.7B qkv, 320-512 rows) the persistent kernel, which
+      overlaps a tile's store with the next tile's loads, was 6-15 % faster than 64x256 tiles, hence the K bound.
     * Timings from session 42 on are CUDA-graph replays with the weights from HBM
       (`compare/bench_gemm.py --graph`): do_bench's launches from Python took 70-90 us of host time
       per TMA-descriptor launch on that host, more than most decode GEMMs, and ranked the TMA configs
@@ -444,22 +466,28 @@ def pick_config(m: int, n: int, k: int) -> str:
             if _H100_SMS < tiles <= _H100_SMS * 5 // 4:  # a second wave of at most a quarter of the SMs
                 return "sk_m128_n256"
             return "pers_m128_n256"
-        if n > 4096:
-            return "dec_m64_n32_g8" if m <= 128 else "pers_m128_n128" if m <= 256 else "pers_m128_n256"
-        tiles = triton.cdiv(m, 64) * triton.cdiv(n, 64)
-        if m > 128 or triton.cdiv(m, 64) * triton.cdiv(n, 32) > _H100_SMS:  # 64x32 tiles not one wave
-            if tiles <= _H100_SMS:  # one wave of 64x64 tiles, one program per SM with a deep pipeline
-                return "dec_m64_n64_s8"
-            if tiles <= _H100_SMS * 5 // 4:  # 64x64 tiles would leave a second wave of at most a quarter
-                return "dec_m64_n128_s7"
-        if m <= 128:
-            return "dec_m64_n32"
-        return "dec_m64_n64_g8" if m <= 256 or n <= 2048 else "pers_m128_n128"
+        ws = _warp_specialized_pick(m, n, k)
+        if ws:
+            return ws
+        if m <= 128:  # here 64x64 tiles make one wave: 64x32 tiles where those do too, else 8 stages deep
+            return "dec_m64_n32" if triton.cdiv(m, 64) * triton.cdiv(n, 32) <= _H100_SMS else "dec_m64_n64_s8"
+        return "pers_m128_n128" if m <= 256 or n <= 4096 else "pers_m128_n256"  # K < 2560, many tiles
     if m < 1024:
         return "m128_n128_s5" if n <= 2048 else "vllm"
     if m < 2048 and 4096 < n <= 8192:
         return "pers_m128_n128"
     return "pers_m128_n256"
+
+
+def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
+    """`pick_config`'s warp-specialized tiles for m in 65-512 rows and n at most 8192 (its docstring), or None."""
+    if m <= 128 and triton.cdiv(m, 64) * triton.cdiv(n, 64) <= _H100_SMS:
+        return None  # the pointer kernel's one wave of 64x32 or 64x64 tiles (below) is kept
+    if triton.cdiv(m, 64) * triton.cdiv(n, 128) <= _H100_SMS:
+        return "ws_m64_n128_s8"
+    if k >= 2560 and triton.cdiv(m, 64) * triton.cdiv(n, 256) <= _H100_SMS:
+        return "ws_m64_n256_s5"
+    return None
 
 
 @functools.cache
@@ -545,6 +573,13 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
         _bi_matmul_persistent_kernel[(min(sms, grid[0]),)](
             a_d, a2_d, w_d, c_d, c2_d, m, n, k, NUM_SMS=sms, **{**tiles, "BLOCK_M": first}, BLOCK_M2=m2)
         return c.reshape(*lead, n)
+    if config.startswith("ws_"):
+        from kernels import gemm_ws
+
+        if gemm_ws.supported(a, w, c):
+            gemm_ws.matmul_into(a, w, c, bm, bn, gm, warps, stages)
+            return c.reshape(*lead, n)
+        tiles["num_stages"] = min(stages, 4)  # the same tile without TMA; 4 stages fit any GPU's shared memory
     ptrs = (a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0), c.stride(0), c.stride(1))
     if config.startswith("swp_"):
         _bi_matmul_swap_kernel[grid](*ptrs, **tiles)
@@ -552,5 +587,5 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
         grid = (triton.cdiv(m, first) * triton.cdiv(n, bn),)
         _bi_matmul_kernel[grid](*ptrs, MASK_M=True, **{**tiles, "BLOCK_M": first})
     else:
-        _bi_matmul_kernel[grid](*ptrs, MASK_M=config.startswith(("dec_", "sk_")), **tiles)
+        _bi_matmul_kernel[grid](*ptrs, MASK_M=config.startswith(("dec_", "sk_", "ws_")), **tiles)
     return c.reshape(*lead, n)

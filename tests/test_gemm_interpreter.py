@@ -13,14 +13,18 @@ from kernels.gemm import CONFIGS, pick_config
 _INTERPRETED = r"""
 import torch
 import kernels.gemm as gemm
+from tests import interpreter_bf16_dot
 
+interpreter_bf16_dot.patch()  # else the interpreter's bf16 tl.dot multiplies bit patterns (that module's doc)
 gemm._num_sms = lambda device: 3   # a CPU has no SMs; 3 programs make the persistent kernel walk many tiles
 torch.manual_seed(0)
 bad = []
 for m, n, k in [(1, 96, 200), (20, 40, 72), (130, 264, 136)]:   # no dimension a multiple of every tile
-    x = torch.randn(m, k).to(torch.bfloat16)
-    w = torch.randn(n, k).to(torch.bfloat16)
-    ref = gemm.matmul(x, w, "vllm")
+    # small integers: every product and partial sum is exact in float32, so each config's output must be the
+    # exact product rounded once to bf16, whatever order NumPy adds a tile's products in
+    x = torch.randint(-3, 4, (m, k)).to(torch.bfloat16)
+    w = torch.randint(-3, 4, (n, k)).to(torch.bfloat16)
+    ref = (x.double() @ w.double().T).to(torch.bfloat16)
     bad += [(m, n, k, c) for c in gemm.CONFIGS if not torch.equal(gemm.matmul(x, w, c), ref)]
     # a stream-K config first called inside CUDA-graph capture (no flags yet) runs the pointer kernel's tiles
     real_flags, gemm._streamk_flags = gemm._streamk_flags, lambda device: None
@@ -31,7 +35,9 @@ print(bad or "ok")
 """
 
 
-def test_every_config_writes_the_same_elements_in_triton_s_interpreter(triton_interpreter):
+def test_every_config_writes_the_exact_product_in_triton_s_interpreter(triton_interpreter):
+    """Every config (the warp-specialized ones through their pointer-kernel fallback: the interpreter has no TMA
+    unit for Gluon) reads the right elements of x and w and writes every element of y once."""
     assert triton_interpreter("-c", _INTERPRETED, timeout=600).strip() == "ok"
 
 
@@ -61,9 +67,10 @@ def test_decode_steps_of_65_to_512_rows_take_masked_or_tma_tiles():
     """A decode step runs the GEMMs at a CUDA-graph capture size (multiples of 8 to 256, then of 16). At the
     sizes that are not multiples of 16 or leave a thin last row tile (72, 136, 200, 272 rows), the unmasked
     pointer tiles ran 1.3-2x slower than masked ("dec_") or TMA tiles on an H100 (docs/rollout-profile.md,
-    issue 39), so no real Qwen3 linear may get one there (the two-part "p2_" and stream-K "sk_" tiles are TMA tiles)."""
+    issue 39), so no real Qwen3 linear may get one there (the two-part "p2_", stream-K "sk_" and warp-specialized
+    "ws_" tiles are TMA tiles)."""
     for shape, layer, _, _, m, config in _decode_step_picks():
-        assert config.startswith(("dec_", "pers_", "tma_", "p2_", "sk_")), (shape, layer, m, config)
+        assert config.startswith(("dec_", "pers_", "tma_", "p2_", "sk_", "ws_")), (shape, layer, m, config)
 
 
 _STREAMK = r"""
@@ -106,17 +113,33 @@ def test_stream_k_carries_each_tile_s_accumulator_exactly_and_leaves_the_flags_z
 
 
 def test_deep_pipeline_decode_tiles_are_picked_only_where_they_make_one_wave():
-    """The 7-8-stage 64-row tiles (session 43) hold one program per SM; picked where the tiles would need a
-    second wave, a program would wait for an SM (the picks are timed only as one wave). Each must also be
-    picked somewhere among the real Qwen3 linears at decode steps of 65-512 rows."""
+    """The 8-stage pointer tiles (session 43) and the warp-specialized tiles (session 44) hold one program per SM
+    (160-205 KB of shared memory); picked where the tiles would need a second wave, a program would wait for an
+    SM (they were timed, and won, only as one wave). Each must also be picked somewhere among the real Qwen3
+    linears at decode steps of 65-512 rows, and the warp-specialized ones only where K is at least 2560 or
+    64x128 tiles make one wave (at K = 2048 the persistent kernel was faster beyond that)."""
     import triton
 
     from kernels.gemm import _H100_SMS
 
+    deep = ("dec_m64_n64_s8", "ws_m64_n128_s8", "ws_m64_n256_s5")
     seen = set()
     for shape, _, n, k, m, config in _decode_step_picks():
-        if config in ("dec_m64_n64_s8", "dec_m64_n128_s7"):
+        if config in deep:
             bm, bn = CONFIGS[config][:2]
             assert triton.cdiv(m, bm) * triton.cdiv(n, bn) <= _H100_SMS, (shape, n, k, m, config)
+            assert config != "ws_m64_n256_s5" or k >= 2560, (shape, n, k, m, config)
             seen.add(config)
-    assert seen == {"dec_m64_n64_s8", "dec_m64_n128_s7"}
+    assert seen == set(deep)
+
+
+def test_pointer_tiles_stay_where_they_make_one_wave_at_up_to_128_rows():
+    """At decode steps of 65-128 rows, where the pointer kernel's 64x32 or 64x64 tiles make one wave, they beat
+    the warp-specialized tiles (Qwen3-1.7B and 8B o/down at 72-96 rows, session 44), so those keep them."""
+    import triton
+
+    from kernels.gemm import _H100_SMS
+
+    for shape, layer, n, k, m, config in _decode_step_picks():
+        if m <= 128 and triton.cdiv(m, 64) * triton.cdiv(n, 64) <= _H100_SMS:
+            assert config in ("dec_m64_n32", "dec_m64_n64_s8"), (shape, layer, m, config)

@@ -1,0 +1,184 @@
+"""Warp-specialized batch-invariant GEMM for Hopper decode steps (Gluon): y = x @ w.T with vLLM's bits.
+
+    x [M, K] bf16, w [N, K] bf16 (a Linear weight), y [M, N] bf16; M a decode step's rows (65-512).
+
+Why it exists (issue 39, session 44; docs/rollout-profile.md): at Qwen3-8B's o projection with 160 rows,
+`_bi_matmul_kernel`'s 128 x 64 tiles and cuBLAS's 64 x 80 tiles move the same 151 MB from L2 to the SMs
+(ncu, H100), yet cuBLAS took 17.3 us and the pointer kernel 24.0. The pointer kernel's 128 threads issue
+every 16-byte cp.async copy themselves, then wait for them and meet at a CTA barrier before each wgmma
+(4x cuBLAS's instruction count); one program per SM then moved about 30 bytes a cycle. cuBLAS (and this
+kernel) gives the copies to one producer warp driving the TMA unit and lets the MMA warpgroup wait on
+mbarriers only, so the copies of STAGES K steps stay in flight while the tensor cores work.
+
+Partitions (`gl.warp_specialize`):
+  * loader (1 warp, 40 registers): for each 64-wide K chunk i, waits until ring slot i % STAGES is empty,
+    then TMA-loads the activation tile [BLOCK_M, 64] and the weight tile [BLOCK_N, 64] into it; the
+    `ready` mbarrier of the slot completes when both have landed (TMA zero-fills rows past M and
+    columns past K);
+  * MMA (the kernel's `num_warps` warps, one or two warpgroups): waits for slot i, issues
+    `warpgroup_mma(x_tile, w_tile^T, acc)` asynchronously, waits until at most that one is in flight,
+    and releases slot i - 1 (its wgmma has finished reading it). Then stores acc as bf16, masked to
+    [M, N].
+
+Bits. Each output element is one fp32 accumulator that walks K in 64-wide chunks in increasing order,
+one `warpgroup_mma` per chunk (four k=16 wgmma instructions, as `tl.dot` lowers it), zero-padded past
+K, rounded once to bf16: the conditions in kernels/gemm.py's module doc, so every config here is
+bitwise vLLM's `linear_batch_invariant` (tests/gpu/test_gemm.py checks each one against it). Which
+warp loads a tile, and how many loads are in flight, do not enter any element's arithmetic.
+
+Written for the Gluon API of Triton 3.6 (vLLM 0.26's pin); `_tma_load` also takes Triton 3.9's name
+for the same TMA load, so the CPU tests can compile the kernel for sm_90 with either.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+"""TMA global -> shared load: `async_copy_global_to_shared` in Triton 3.6, renamed `async_load` later."""
+
+BLOCK_K = 64
+"""vLLM's K step (kernels.gemm.BLOCK_K): fixes the bits."""
+
+_SMEM_PER_SM = 232448
+"""Shared memory an H100 / H200 SM offers to CTAs (227 KB); each CTA also holds 1 KB for the driver."""
+
+
+@triton.constexpr_function
+def _mma_warps(block_m, num_warps):
+    """warps_per_cta of the accumulator: warps along M (16 rows each) first, the rest along N."""
+    along_m = min(num_warps, block_m // 16)
+    return [along_m, num_warps // along_m]
+
+
+@triton.constexpr_function
+def _instr_n(block_n, num_warps, block_m):
+    """wgmma's N: each warp column of the accumulator takes BLOCK_N / (warps along N) columns."""
+    return block_n // (num_warps // min(num_warps, block_m // 16))
+
+
+@gluon.jit
+def _tile_of(pid, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """kernels.gemm._tile_of: GROUP_M row tiles in a row share each column tile while it is in L2."""
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % group) % group_m, (pid % group) // group_m
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles):
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    for i in range(k_tiles):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # slots start empty: the first wait passes
+        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        _tma_load(a_desc, [off_m, i * BK], ready.index(s), a_bufs.index(s))
+        _tma_load(b_desc, [off_n, i * BK], ready.index(s), b_bufs.index(s))
+
+
+@gluon.jit
+def _mma(a_bufs, b_bufs, ready, empty, c_ptr, M, N, stride_cm, off_m, off_n, k_tiles, num_warps: gl.constexpr):
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=_mma_warps(BLOCK_M, num_warps),
+                                                     instr_shape=[16, _instr_n(BLOCK_N, num_warps, BLOCK_M), 16])
+    acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)
+    for i in range(k_tiles):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)  # chunk i - 1's wgmma is done
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    ptrs = c_ptr + offs_m.to(gl.int64)[:, None] * stride_cm + offs_n[None, :]
+    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@gluon.jit
+def _bi_matmul_ws_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_cm, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile per program (module doc); a_desc / b_desc: TMA boxes [BLOCK_M, 64] of x
+    and [BLOCK_N, 64] of w; grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    pid_m, pid_n = _tile_of(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    k_tiles = gl.cdiv(K, a_desc.block_type.shape[1])
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_mma, (a_bufs, b_bufs, ready, empty, c_ptr, M, N, stride_cm, off_m, off_n, k_tiles, num_warps)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles)),
+    ], [1], [40])
+
+
+def smem_bytes(block_m: int, block_n: int, stages: int) -> int:
+    """Shared memory of one program: the ring of bf16 tiles (the barriers are a few bytes)."""
+    return stages * (block_m + block_n) * BLOCK_K * 2
+
+
+def max_registers(block_m: int, block_n: int, stages: int) -> int | None:
+    """`maxnreg` for the launch: 128 where two programs fit an SM's shared memory, so that their registers
+    (8 warps each: the MMA warpgroup and the loader's) fit too; else the compiler's default (one program)."""
+    return 128 if 2 * (smem_bytes(block_m, block_n, stages) + 2048) <= _SMEM_PER_SM else None
+
+
+def supported(*ts: torch.Tensor) -> bool:
+    """Hopper (sm_90), and TMA-compatible row-major tensors (16-byte aligned rows and bases)."""
+    return (all(t.is_cuda for t in ts) and torch.cuda.get_device_capability(ts[0].device)[0] == 9
+            and all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+                    for t in ts))
+
+
+def _layout(rows: int):
+    return gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl.bfloat16)
+
+
+def matmul_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, block_m: int, block_n: int, group_m: int,
+                num_warps: int, stages: int) -> None:
+    """c[M, N] = a[M, K] @ w[N, K].T on the tile (block_m, block_n) with `stages` K chunks in flight."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, k = a.shape
+    n = w.shape[0]
+    a_d = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], _layout(block_m))
+    w_d = TensorDescriptor.from_tensor(w, [block_n, BLOCK_K], _layout(block_n))
+    extra = {}
+    regs = max_registers(block_m, block_n, stages)
+    if regs:
+        extra["maxnreg"] = regs
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _bi_matmul_ws_kernel[grid](a_d, w_d, c, m, n, k, c.stride(0), group_m, stages, num_warps=num_warps, **extra)
+
+
+def compile_sm90(block_m: int, block_n: int, group_m: int, num_warps: int, stages: int):
+    """The kernel compiled for sm_90 without a GPU (for CPU tests): Triton's CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {"a_desc": f"tensordesc<bf16[{block_m}, {BLOCK_K}],{_layout(block_m)!r}>",
+           "b_desc": f"tensordesc<bf16[{block_n}, {BLOCK_K}],{_layout(block_n)!r}>",
+           "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
+           "GROUP_M": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
+    aligned = [["tt.divisibility", 16]]
+    src = GluonASTSource(_bi_matmul_ws_kernel, sig,
+                         constexprs={"GROUP_M": group_m, "STAGES": stages, "num_warps": num_warps},
+                         attrs={(2,): aligned, (4,): aligned, (5,): aligned, (6,): aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
