@@ -433,7 +433,12 @@ def pick_config(m: int, n: int, k: int) -> str:
       pointer tiles at up to 128 rows, and the persistent kernel where K < 2560 and the tiles below make more
       than one wave; `dec_m64_n32_g8`, `dec_m64_n64_g8` and `dec_m64_n128_s7` are no longer picked) (issue 39, session 44, H100, `bench_gemm.py --graph`, Qwen3-1.7B, 4B and 8B qkv/o/down at 72-512
       rows, all bitwise vLLM's): the warp-specialized TMA kernel (kernels/gemm_ws.py), 64x128 tiles with 8
-      stages where they make one wave, else 64x256 tiles with 5 stages where those do and K is at least 2560.
+      stages where they make one wave (6 stages at K >= 12288), else 64x256 tiles with 5 stages where those do and
+      K is at least 2560. At long K (8B and 14B down) 8 stages were slower where the last row tile is thin (8B down
+      at 136 / 200 rows: 59-63 / 60 us with 8 stages, 52.6-52.8 / 54.0 with 6; 14B down at 136: 102-107 against
+      93-95), and as fast or within 10 % elsewhere (160 / 256 rows: 48.2-48.7 / 47.0 against 51.9-52.0 / 52.7);
+      presumably the row tiles sharing a weight tile drift apart (a thin one runs ahead) and the others then
+      miss L2 on weights it fetched. Not measured as such.
       Per layer against the picks they replace: 8B down 64-66 -> 47-55 us at 136-256 rows (cuBLAS 47-50), 8B o
       22.7-23.1 -> 17.8-21.6, 8B qkv 30.8-36.2 -> 28.0-30.4, 8B o/down/qkv at 272-512 rows -3..-27 %, 4B o/down
       at 136-384 rows 21-55 -> 15-36, 1.7B down at 136-512 rows 21-33 -> 19-22. The pointer kernel's one-wave
@@ -484,7 +489,7 @@ def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
     if m <= 128 and triton.cdiv(m, 64) * triton.cdiv(n, 64) <= _H100_SMS:
         return None  # the pointer kernel's one wave of 64x32 or 64x64 tiles (below) is kept
     if triton.cdiv(m, 64) * triton.cdiv(n, 128) <= _H100_SMS:
-        return "ws_m64_n128_s8"
+        return "ws_m64_n128_s6" if k >= 12288 else "ws_m64_n128_s8"
     if k >= 2560 and triton.cdiv(m, 64) * triton.cdiv(n, 256) <= _H100_SMS:
         return "ws_m64_n256_s5"
     return None

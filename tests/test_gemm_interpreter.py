@@ -122,7 +122,7 @@ def test_deep_pipeline_decode_tiles_are_picked_only_where_they_make_one_wave():
 
     from kernels.gemm import _H100_SMS
 
-    deep = ("dec_m64_n64_s8", "ws_m64_n128_s8", "ws_m64_n256_s5")
+    deep = ("dec_m64_n64_s8", "ws_m64_n128_s6", "ws_m64_n128_s8", "ws_m64_n256_s5")
     seen = set()
     for shape, _, n, k, m, config in _decode_step_picks():
         if config in deep:
