@@ -359,6 +359,11 @@ CONFIGS = {
     "ws_m128_n128_s6": (128, 128, 8, 4, 6),
     "ws_m64_n256_s5": (64, 256, 8, 4, 5),
     "ws_m128_n256_s4": (128, 256, 8, 8, 4),
+    # Swapped operands, warp-specialized (kernels/gemm_ws.py `_bi_matmul_ws_swapped_kernel`, session 44): one program
+    # per BLOCK_N weight rows covering up to BLOCK_M = 192 rows of x (128 + 16/32/64), each weight byte read once.
+    # Off Hopper the pointer kernel runs 64 x min(BLOCK_N, 128) tiles instead (the same bits).
+    "wsx_n128_s5": (192, 128, 1, 8, 5),
+    "wsx_n256_s4": (192, 256, 1, 8, 4),
 }
 
 
@@ -445,6 +450,13 @@ def pick_config(m: int, n: int, k: int) -> str:
       tiles stay at up to 128 rows (1.7B/8B o and down at 72-96 rows: 8.0/17.0/18.2/44.8 us against the warp-
       specialized 9.4/17.9/20.5/46.5). At K = 2048 (1.7B qkv, 320-512 rows) the persistent kernel, which
       overlaps a tile's store with the next tile's loads, was 6-15 % faster than 64x256 tiles, hence the K bound.
+    * Outputs wider than 8192 at 129-192 rows (session 44, H100, `bench_gemm.py --graph`): the swapped warp-specialized
+      kernel over every row at once (128 + 16/32/64 rows of x, two accumulators per weight tile), 256 weight rows per
+      program where that makes one wave over at least half the SMs, else 128 where that makes one wave: gate_up 8B
+      91-108 -> 87-95 us (cuBLAS 79-84), 4B 61-70 -> 49-54 (44-47), 1.7B 28.5-29.2 -> 25.5-27.9 (22.5-23.3). At 200-256
+      rows (a second part of 128) it lost (8B 109-115 against 104.5-105.5) and is not picked; nor for lm_head (many
+      waves, unmeasured). Where 64x256 tiles of the unswapped kernel make one wave (Qwen3-32B qkv, 10,240 wide) those
+      come first: 45.5-46.5 us at 136-192 rows against 47.9-50.5.
     * Timings from session 42 on are CUDA-graph replays with the weights from HBM
       (`compare/bench_gemm.py --graph`): do_bench's launches from Python took 70-90 us of host time
       per TMA-descriptor launch on that host, more than most decode GEMMs, and ranked the TMA configs
@@ -462,7 +474,15 @@ def pick_config(m: int, n: int, k: int) -> str:
             return "dec_m64_n16_s12"
         return "dec_m64_n32_s12" if n <= 4096 else "dec_m64_n32"
     if m <= 512:
+        ws = _warp_specialized_pick(m, n, k)
+        if ws:
+            return ws
         if n > 8192:
+            if 128 < m <= CONFIGS["wsx_n256_s4"][0]:  # swapped warp-specialized tiles over every row at once
+                if _H100_SMS // 2 <= triton.cdiv(n, 256) <= _H100_SMS:  # one wave of 256 weight rows, half the SMs
+                    return "wsx_n256_s4"
+                if triton.cdiv(n, 128) <= _H100_SMS:
+                    return "wsx_n128_s5"
             if 128 < m <= 144:
                 return "p2_m144_n256" if triton.cdiv(n, 256) >= 96 else "p2_m144_n128"
             tiles = triton.cdiv(m, 128) * triton.cdiv(n, 256)
@@ -471,9 +491,6 @@ def pick_config(m: int, n: int, k: int) -> str:
             if _H100_SMS < tiles <= _H100_SMS * 5 // 4:  # a second wave of at most a quarter of the SMs
                 return "sk_m128_n256"
             return "pers_m128_n256"
-        ws = _warp_specialized_pick(m, n, k)
-        if ws:
-            return ws
         if m <= 128:  # here 64x64 tiles make one wave: 64x32 tiles where those do too, else 8 stages deep
             return "dec_m64_n32" if triton.cdiv(m, 64) * triton.cdiv(n, 32) <= _H100_SMS else "dec_m64_n64_s8"
         return "pers_m128_n128" if m <= 256 or n <= 4096 else "pers_m128_n256"  # K < 2560, many tiles
@@ -485,7 +502,8 @@ def pick_config(m: int, n: int, k: int) -> str:
 
 
 def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
-    """`pick_config`'s warp-specialized tiles for m in 65-512 rows and n at most 8192 (its docstring), or None."""
+    """`pick_config`'s warp-specialized tiles for m in 65-512 rows (its docstring), or None. Outputs wider than 8192
+    meet them only where 64x256 tiles make one wave (Qwen3-32B qkv, 10,240 wide, at up to 192 rows)."""
     if m <= 128 and triton.cdiv(m, 64) * triton.cdiv(n, 64) <= _H100_SMS:
         return None  # the pointer kernel's one wave of 64x32 or 64x64 tiles (below) is kept
     if triton.cdiv(m, 64) * triton.cdiv(n, 128) <= _H100_SMS:
@@ -578,13 +596,20 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
         _bi_matmul_persistent_kernel[(min(sms, grid[0]),)](
             a_d, a2_d, w_d, c_d, c2_d, m, n, k, NUM_SMS=sms, **{**tiles, "BLOCK_M": first}, BLOCK_M2=m2)
         return c.reshape(*lead, n)
-    if config.startswith("ws_"):
+    if config.startswith(("ws_", "wsx_")):
         from kernels import gemm_ws
 
         if gemm_ws.supported(a, w, c):
-            gemm_ws.matmul_into(a, w, c, bm, bn, gm, warps, stages)
+            if config.startswith("wsx_"):
+                gemm_ws.matmul_swapped_into(a, w, c, bm, bn, warps, stages)
+            else:
+                gemm_ws.matmul_into(a, w, c, bm, bn, gm, warps, stages)
             return c.reshape(*lead, n)
-        tiles["num_stages"] = min(stages, 4)  # the same tile without TMA; 4 stages fit any GPU's shared memory
+        if config.startswith("wsx_"):  # the pointer kernel's masked 64-row tiles instead (the same bits)
+            bm, bn, warps = 64, min(bn, 128), 4
+            grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+            tiles.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        tiles["num_stages"] = min(stages, 4)  # without TMA; 4 stages fit any GPU's shared memory
     ptrs = (a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0), c.stride(0), c.stride(1))
     if config.startswith("swp_"):
         _bi_matmul_swap_kernel[grid](*ptrs, **tiles)
@@ -592,5 +617,5 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
         grid = (triton.cdiv(m, first) * triton.cdiv(n, bn),)
         _bi_matmul_kernel[grid](*ptrs, MASK_M=True, **{**tiles, "BLOCK_M": first})
     else:
-        _bi_matmul_kernel[grid](*ptrs, MASK_M=config.startswith(("dec_", "sk_", "ws_")), **tiles)
+        _bi_matmul_kernel[grid](*ptrs, MASK_M=config.startswith(("dec_", "sk_", "ws_", "wsx_")), **tiles)
     return c.reshape(*lead, n)

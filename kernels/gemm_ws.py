@@ -129,6 +129,103 @@ def _bi_matmul_ws_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_cm, GROUP_M: gl.
     ], [1], [40])
 
 
+@gluon.jit
+def _loader_swapped(w_desc, x1_desc, x2_desc, w_bufs, x1_bufs, x2_bufs, ready, empty, off_n, k_tiles):
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    T1: gl.constexpr = x1_desc.block_type.shape[0]
+    for i in range(k_tiles):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x1_desc.block_type.nbytes + x2_desc.block_type.nbytes)
+        _tma_load(w_desc, [off_n, i * BK], ready.index(s), w_bufs.index(s))
+        _tma_load(x1_desc, [0, i * BK], ready.index(s), x1_bufs.index(s))
+        _tma_load(x2_desc, [T1, i * BK], ready.index(s), x2_bufs.index(s))
+
+
+@gluon.jit
+def _store_transposed(acc, layout: gl.constexpr, c_ptr, M, N, stride_cm, off_n, first_row, ROWS: gl.constexpr,
+                      BLOCK_W: gl.constexpr):
+    n = off_n + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, layout))
+    t = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(0, layout))
+    gl.store(c_ptr + t.to(gl.int64)[None, :] * stride_cm + n[:, None], acc.to(c_ptr.dtype.element_ty),
+             mask=(t[None, :] < M) & (n[:, None] < N))
+
+
+@gluon.jit
+def _mma_swapped(w_bufs, x1_bufs, x2_bufs, ready, empty, c_ptr, M, N, stride_cm, off_n, k_tiles,
+                 num_warps: gl.constexpr):
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    BLOCK_W: gl.constexpr = w_bufs.type.shape[1]
+    T1: gl.constexpr = x1_bufs.type.shape[1]
+    T2: gl.constexpr = x2_bufs.type.shape[1]
+    l1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, T1, 16])
+    l2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, T2, 16])
+    acc1 = gl.zeros((BLOCK_W, T1), gl.float32, l1)
+    acc2 = gl.zeros((BLOCK_W, T2), gl.float32, l2)
+    for i in range(k_tiles):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        acc1 = warpgroup_mma(w_bufs.index(s), x1_bufs.index(s).permute((1, 0)), acc1, is_async=True)
+        acc2 = warpgroup_mma(w_bufs.index(s), x2_bufs.index(s).permute((1, 0)), acc2, is_async=True)
+        acc1, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc1, acc2))  # chunk i - 1's two are done
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    acc1, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2))
+    _store_transposed(acc1, l1, c_ptr, M, N, stride_cm, off_n, 0, T1, BLOCK_W)
+    _store_transposed(acc2, l2, c_ptr, M, N, stride_cm, off_n, T1, T2, BLOCK_W)
+
+
+@gluon.jit
+def _bi_matmul_ws_swapped_kernel(w_desc, x1_desc, x2_desc, c_ptr, M, N, K, stride_cm, STAGES: gl.constexpr,
+                                 num_warps: gl.constexpr):
+    """C^T = W X^T, one program per BLOCK_W weight rows and every row of x (at most T1 + T2), so each weight byte
+    is read once: x's rows in two parts, T1 (x1_desc's box, from row 0) and T2 (x2_desc's box, from row T1), two
+    accumulators [BLOCK_W, T1] and [BLOCK_W, T2] fed by the same weight chunk (a decode step of 129-192 rows is
+    128 + 16/32/64, no padding to 256: Gluon's tensors, like Triton's, have power-of-two shapes). The operands'
+    roles are swapped as in kernels/gemm.py's `_bi_matmul_swap_kernel`, which gives vLLM's bits; each element is
+    still one K loop in order, one `warpgroup_mma` per 64-wide chunk."""
+    BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
+    off_n = gl.program_id(0) * BLOCK_W
+    k_tiles = gl.cdiv(K, w_desc.block_type.shape[1])
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x1_bufs = gl.allocate_shared_memory(x1_desc.dtype, [STAGES] + x1_desc.block_type.shape, x1_desc.layout)
+    x2_bufs = gl.allocate_shared_memory(x2_desc.dtype, [STAGES] + x2_desc.block_type.shape, x2_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_mma_swapped, (w_bufs, x1_bufs, x2_bufs, ready, empty, c_ptr, M, N, stride_cm, off_n, k_tiles, num_warps)),
+        (_loader_swapped, (w_desc, x1_desc, x2_desc, w_bufs, x1_bufs, x2_bufs, ready, empty, off_n, k_tiles)),
+    ], [1], [40])
+
+
+def token_parts(rows: int) -> tuple[int, int]:
+    """(T1, T2) for a swapped launch over `rows` rows of x: power-of-two parts of at least 16 covering them, the
+    first at most 128 (at most 192 rows: T2 up to 64, whose accumulator fits the registers beside T1's)."""
+    t1 = 128 if rows > 128 else max(16, triton.next_power_of_2(rows))
+    return t1, max(16, triton.next_power_of_2(rows - t1)) if rows > t1 else 16
+
+
+def matmul_swapped_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows_per_launch: int, block_w: int,
+                        num_warps: int, stages: int) -> None:
+    """c = a @ w.T with `_bi_matmul_ws_swapped_kernel`, `rows_per_launch` (at most 192) rows of a per launch (an
+    output row's arithmetic reads only its own row of a, so the split does not enter the bits)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, k = a.shape
+    n = w.shape[0]
+    w_d = TensorDescriptor.from_tensor(w, [block_w, BLOCK_K], _layout(block_w))
+    for lo in range(0, m, rows_per_launch):
+        x, out = a[lo:lo + rows_per_launch], c[lo:lo + rows_per_launch]
+        t1, t2 = token_parts(x.shape[0])
+        x1_d = TensorDescriptor.from_tensor(x, [t1, BLOCK_K], _layout(t1))
+        x2_d = TensorDescriptor.from_tensor(x, [t2, BLOCK_K], _layout(t2))
+        _bi_matmul_ws_swapped_kernel[(triton.cdiv(n, block_w),)](w_d, x1_d, x2_d, out, x.shape[0], n, k,
+                                                                  out.stride(0), stages, num_warps=num_warps)
+
+
 def smem_bytes(block_m: int, block_n: int, stages: int) -> int:
     """Shared memory of one program: the ring of bf16 tiles (the barriers are a few bytes)."""
     return stages * (block_m + block_n) * BLOCK_K * 2
@@ -181,4 +278,20 @@ def compile_sm90(block_m: int, block_n: int, group_m: int, num_warps: int, stage
     src = GluonASTSource(_bi_matmul_ws_kernel, sig,
                          constexprs={"GROUP_M": group_m, "STAGES": stages, "num_warps": num_warps},
                          attrs={(2,): aligned, (4,): aligned, (5,): aligned, (6,): aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def compile_swapped_sm90(block_w: int, t1: int, t2: int, num_warps: int, stages: int):
+    """`_bi_matmul_ws_swapped_kernel` compiled for sm_90 without a GPU (for CPU tests)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {"w_desc": f"tensordesc<bf16[{block_w}, {BLOCK_K}],{_layout(block_w)!r}>",
+           "x1_desc": f"tensordesc<bf16[{t1}, {BLOCK_K}],{_layout(t1)!r}>",
+           "x2_desc": f"tensordesc<bf16[{t2}, {BLOCK_K}],{_layout(t2)!r}>",
+           "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
+           "STAGES": "constexpr", "num_warps": "constexpr"}
+    aligned = [["tt.divisibility", 16]]
+    src = GluonASTSource(_bi_matmul_ws_swapped_kernel, sig, constexprs={"STAGES": stages, "num_warps": num_warps},
+                         attrs={(3,): aligned, (5,): aligned, (6,): aligned, (7,): aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

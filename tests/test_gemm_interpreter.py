@@ -68,9 +68,9 @@ def test_decode_steps_of_65_to_512_rows_take_masked_or_tma_tiles():
     sizes that are not multiples of 16 or leave a thin last row tile (72, 136, 200, 272 rows), the unmasked
     pointer tiles ran 1.3-2x slower than masked ("dec_") or TMA tiles on an H100 (docs/rollout-profile.md,
     issue 39), so no real Qwen3 linear may get one there (the two-part "p2_", stream-K "sk_" and warp-specialized
-    "ws_" tiles are TMA tiles)."""
+    "ws_"/"wsx_" tiles are TMA tiles)."""
     for shape, layer, _, _, m, config in _decode_step_picks():
-        assert config.startswith(("dec_", "pers_", "tma_", "p2_", "sk_", "ws_")), (shape, layer, m, config)
+        assert config.startswith(("dec_", "pers_", "tma_", "p2_", "sk_", "ws_", "wsx_")), (shape, layer, m, config)
 
 
 _STREAMK = r"""

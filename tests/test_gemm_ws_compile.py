@@ -10,6 +10,7 @@ import pytest
 from kernels import gemm, gemm_ws
 
 WS_CONFIGS = [c for c in gemm.CONFIGS if c.startswith("ws_")]
+SWAPPED_CONFIGS = [c for c in gemm.CONFIGS if c.startswith("wsx_")]
 
 
 def test_there_are_warp_specialized_configs_and_they_are_picked():
@@ -30,3 +31,31 @@ def test_compiles_for_sm90_with_tma_and_wgmma(config):
     assert "cp.async.cg" not in ptx and "cp.async.ca" not in ptx  # the loader warp's TMA, not per-thread copies
     # one loader warp beside the MMA warps (rounded up to whole warpgroups)
     assert kernel.metadata.num_warps == -(-(warps + 1) // 4) * 4
+
+
+def test_swapped_token_parts_cover_every_row_count_in_powers_of_two():
+    for rows in range(1, gemm.CONFIGS["wsx_n256_s4"][0] + 1):
+        t1, t2 = gemm_ws.token_parts(rows)
+        assert t1 + t2 >= rows and t1 in (16, 32, 64, 128) and t2 in (16, 32, 64), (rows, t1, t2)
+        assert rows <= t1 or t1 == 128, (rows, t1)  # the first part is as large as it can be before a second
+        assert rows - t1 <= t2 < 2 * max(rows - t1, 16), (rows, t1, t2)  # the second no larger than it must be
+
+
+def test_swapped_tiles_are_picked_for_wide_outputs_at_129_to_192_rows():
+    from compare.bench_gemm import layer_shapes
+
+    n, k = layer_shapes("Qwen3-8B")["gate_up"]
+    assert [gemm.pick_config(m, n, k) for m in (128, 129, 160, 192, 193)] == [
+        "pers_m128_n256", "wsx_n256_s4", "wsx_n256_s4", "wsx_n256_s4", "pers_m128_n256"]
+
+
+@pytest.mark.parametrize("config", SWAPPED_CONFIGS)
+@pytest.mark.parametrize("rows", [136, 160, 192])
+def test_swapped_compiles_for_sm90_with_tma_and_wgmma(config, rows):
+    _, block_w, _, warps, stages = gemm.CONFIGS[config]
+    t1, t2 = gemm_ws.token_parts(rows)
+    kernel = gemm_ws.compile_swapped_sm90(block_w, t1, t2, warps, stages)
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.shared <= gemm_ws._SMEM_PER_SM - 1024, (config, rows, kernel.metadata.shared)
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    assert "cp.async.cg" not in ptx and "cp.async.ca" not in ptx
