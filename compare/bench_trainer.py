@@ -5,7 +5,7 @@
         [--activation-checkpointing 0|1] [--tt-attn auto|sdpa|varlen|flex] [--peak-tflops F]
         [--lora-rank R [--lora-targets T]]
     GPU host:  source .gpu/device-env.sh && VLLM_BATCH_INVARIANT=1 python compare/bench_trainer.py
-    CPU smoke: python compare/bench_trainer.py --device cpu --shape tiny --shapes 2x64,mixed4
+    CPU smoke: python compare/bench_trainer.py --device cpu --shape tiny --shapes 2x64,mixed4 --dtype float32
 
 In one process, on one checkpoint (--model, or random weights of --shape) and the same token ids,
 both models compute what the GRPO loss is built on: the log-probability of every next token (rows

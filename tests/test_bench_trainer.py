@@ -1,7 +1,9 @@
 """compare/bench_trainer.py on CPU: the table, the ours-vs-torchtitan logprob check, --json, errors.
 
-The main run is the documented CPU smoke run (`--shape tiny --shapes 2x64,mixed4`, one iteration,
-~40 s on two cores: tiny keeps Qwen3's 151,936-token vocabulary, so lm_head dominates). The packed
+The main run is the documented CPU smoke run (`--shape tiny --shapes 2x64,mixed4 --dtype float32`, one
+iteration: tiny keeps Qwen3's 151,936-token vocabulary, so lm_head dominates). float32, because a CPU without native
+bf16 matmuls runs the bf16 run many times slower: 84 s in float32 against more than 600 s in bf16 on two cores of an
+AMD EPYC (2026-11-27), where Intel CPUs with bf16 instructions had taken about 40 s in bf16. The packed
 block_causal run uses --model with a one-layer tiny checkpoint cut to a 4,096-token vocabulary.
 """
 
@@ -43,7 +45,7 @@ def run_bench(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 def test_cpu_run_prints_table_passes_check_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    r = run_bench("--shape", "tiny", "--shapes", "2x64,mixed4", "--json", str(out))
+    r = run_bench("--shape", "tiny", "--shapes", "2x64,mixed4", "--dtype", "float32", "--json", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = r.stdout
     assert "logprob agreement (ours vs torchtitan, all shapes): PASS" in text

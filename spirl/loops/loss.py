@@ -60,6 +60,15 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = ADV_EPS
     if scale not in REWARD_SCALES:
         raise ValueError(f"scale must be one of {', '.join(REWARD_SCALES)}, got {scale!r}")
     g = r.view(-1, group_size)
+    if not torch.isnan(r).any():
+        # every reward scored: mean and std themselves, not their NaN-skipping forms, which round differently in the
+        # last bit on some CPUs (AMD EPYC, 2026-11-27), so that the default stays the formula SPIRL always used
+        centered = g - g.mean(dim=1, keepdim=True)
+        if scale == "group":
+            centered = centered / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
+        elif scale == "batch":
+            centered = centered / (r.std(unbiased=False) + eps)
+        return centered.reshape(-1)
     centered = g - torch.nanmean(g, dim=1, keepdim=True)
     if scale == "group":
         centered = centered / (_nan_std(g, dim=1, keepdim=True) + eps)
