@@ -436,15 +436,16 @@ def pick_config(m: int, n: int, k: int) -> str:
         not kept (docs/rollout-profile.md, session 43).
     * Outputs up to 8192 wide at 65-512 rows, before the rules above for them (which now give only the one-wave
       pointer tiles at up to 128 rows, and the persistent kernel where K < 2560 and the tiles below make more
-      than one wave; `dec_m64_n32_g8`, `dec_m64_n64_g8` and `dec_m64_n128_s7` are no longer picked) (issue 39, session 44, H100, `bench_gemm.py --graph`, Qwen3-1.7B, 4B and 8B qkv/o/down at 72-512
-      rows, all bitwise vLLM's): the warp-specialized TMA kernel (kernels/gemm_ws.py), 64x128 tiles with 8
+      than one wave; `dec_m64_n32_g8`, `dec_m64_n64_g8` and `dec_m64_n128_s7` are no longer picked; issue 39,
+      session 44, H100, `bench_gemm.py --graph`, Qwen3-1.7B, 4B and 8B qkv/o/down at 72-512 rows, all bitwise
+      vLLM's): the warp-specialized TMA kernel (kernels/gemm_ws.py), 64x128 tiles with 8
       stages where they make one wave (6 stages at K >= 12288), else 64x256 tiles with 5 stages where those do and
       K is at least 2560. At long K (8B and 14B down) 8 stages were slower where the last row tile is thin (8B down
       at 136 / 200 rows: 59-63 / 60 us with 8 stages, 52.6-52.8 / 54.0 with 6; 14B down at 136: 102-107 against
       93-95), and as fast or within 10 % elsewhere (160 / 256 rows: 48.2-48.7 / 47.0 against 51.9-52.0 / 52.7);
       presumably the row tiles sharing a weight tile drift apart (a thin one runs ahead) and the others then
       miss L2 on weights it fetched. Not measured as such.
-      Per layer against the picks they replace: 8B down 64-66 -> 47-55 us at 136-256 rows (cuBLAS 47-50), 8B o
+      Per layer against the picks they replace: 8B down 63-68 -> 52-54 us at 136-256 rows (cuBLAS 47-50), 8B o
       22.7-23.1 -> 17.8-21.6, 8B qkv 30.8-36.2 -> 28.0-30.4, 8B o/down/qkv at 272-512 rows -3..-27 %, 4B o/down
       at 136-384 rows 21-55 -> 15-36, 1.7B down at 136-512 rows 21-33 -> 19-22. The pointer kernel's one-wave
       tiles stay at up to 128 rows (1.7B/8B o and down at 72-96 rows: 8.0/17.0/18.2/44.8 us against the warp-
@@ -606,9 +607,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
                 gemm_ws.matmul_into(a, w, c, bm, bn, gm, warps, stages)
             return c.reshape(*lead, n)
         if config.startswith("wsx_"):  # the pointer kernel's masked 64-row tiles instead (the same bits)
-            bm, bn, warps = 64, min(bn, 128), 4
+            bm = first = 64
+            bn = min(bn, 128)
             grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-            tiles.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+            tiles.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
         tiles["num_stages"] = min(stages, 4)  # without TMA; 4 stages fit any GPU's shared memory
     ptrs = (a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0), c.stride(0), c.stride(1))
     if config.startswith("swp_"):

@@ -137,7 +137,8 @@ def _loader_swapped(w_desc, x1_desc, x2_desc, w_bufs, x1_bufs, x2_bufs, ready, e
     for i in range(k_tiles):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x1_desc.block_type.nbytes + x2_desc.block_type.nbytes)
+        mbarrier.expect(ready.index(s),
+                        w_desc.block_type.nbytes + x1_desc.block_type.nbytes + x2_desc.block_type.nbytes)
         _tma_load(w_desc, [off_n, i * BK], ready.index(s), w_bufs.index(s))
         _tma_load(x1_desc, [0, i * BK], ready.index(s), x1_bufs.index(s))
         _tma_load(x2_desc, [T1, i * BK], ready.index(s), x2_bufs.index(s))
