@@ -31,23 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemm_tiles import BLOCK_K, tile_of
+
 _log = logging.getLogger(__name__)
-
-BLOCK_K = 64
-"""The K step of vLLM's bf16 config; it (not the tile shape) decides every element's bits."""
-
-
-@triton.jit
-def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row tile, column tile) that program `pid` computes, in grouped order: GROUP_M row tiles
-    in a row share each column tile while it is in L2. Which program computes a tile does not
-    enter any element's arithmetic."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (pid % group) % group_m, (pid % group) // group_m
 
 
 @triton.jit
@@ -59,7 +45,7 @@ def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
     Either way they are computed and never stored, and an output row's arithmetic reads only its
     own row of `a`, so the stored rows' bits are the same; masking saves the re-reads where a
     64-row tile holds a handful of decode rows."""
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,7 +88,7 @@ def _bi_matmul_swap_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
     every `swp_` config (mma.sync at 16 weight rows, wgmma at 64) was bitwise vLLM's kernel over
     `tests/gpu/test_gemm.py`'s shapes and Qwen3-1.7B's and 8B's linear layers at 1, 8 and 64 rows
     (2026-11-26); the test keeps checking it per config."""
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,7 +130,7 @@ def _bi_matmul_tma_kernel(a_desc, b_desc, c_desc, M, N, K,
     """`_bi_matmul_kernel` with Hopper's TMA unit moving the tiles (host-made tensor descriptors):
     the same K loop in the same order, one `tl.dot` per 64-wide chunk; TMA fills out-of-bounds
     elements with zeros, as the masked loads do, so every element gets the same bits."""
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = _k_range(a_desc, b_desc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, tl.cdiv(K, BLOCK_K), BLOCK_K)
     c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(tl.bfloat16))
@@ -155,7 +141,7 @@ def _bi_matmul_persistent_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N,
                                  BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
     """`_bi_matmul_tma_kernel` as a persistent kernel: one program per SM walks the tiles NUM_SMS apart (in
-    `_tile_of`'s grouped order), and `flatten=True` lets Triton software-pipeline across tile boundaries, so
+    `tile_of`'s grouped order), and `flatten=True` lets Triton software-pipeline across tile boundaries, so
     the next tile's TMA loads overlap this tile's last dots and its store. The epilogue's tile index is
     counted separately (`tile_c`), as Triton's persistent-matmul tutorial does, so that the pipelined loop
     does not keep the prologue's index alive into the store.
@@ -178,7 +164,7 @@ def _bi_matmul_persistent_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N,
     k_tiles = tl.cdiv(K, BLOCK_K)
     tile_c = start - NUM_SMS
     for tile in tl.range(start, num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_of(tile, M, N, rows, BLOCK_N, GROUP_M)
+        pid_m, pid_n = tile_of(tile, M, N, rows, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if BLOCK_M2 > 0:
             acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
@@ -191,7 +177,7 @@ def _bi_matmul_persistent_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N,
             if BLOCK_M2 > 0:
                 acc2 = tl.dot(b, a2.T, acc2)
         tile_c += NUM_SMS
-        pid_m, pid_n = _tile_of(tile_c, M, N, rows, BLOCK_N, GROUP_M)
+        pid_m, pid_n = tile_of(tile_c, M, N, rows, BLOCK_N, GROUP_M)
         c_desc.store([pid_m * rows, pid_n * BLOCK_N], acc.to(tl.bfloat16))
         if BLOCK_M2 > 0:
             c2_desc.store([pid_m * rows + BLOCK_M, pid_n * BLOCK_N], tl.trans(acc2.to(tl.bfloat16)))
@@ -600,7 +586,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
     if config.startswith(("ws_", "wsx_")):
         from kernels import gemm_ws
 
-        if gemm_ws.supported(a, w, c):
+        if gemm_ws.runs_on(x.device) and _tma_ok(a, w, c):
             if config.startswith("wsx_"):
                 gemm_ws.matmul_swapped_into(a, w, c, bm, bn, warps, stages)
             else:

@@ -38,11 +38,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from kernels.gemm_tiles import BLOCK_K, tile_of
+
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 """TMA global -> shared load: `async_copy_global_to_shared` in Triton 3.6, renamed `async_load` later."""
-
-BLOCK_K = 64
-"""vLLM's K step (kernels.gemm.BLOCK_K): fixes the bits."""
 
 _SMEM_PER_SM = 232448
 """Shared memory an H100 / H200 SM offers to CTAs (227 KB); each CTA also holds 1 KB for the driver."""
@@ -62,14 +61,15 @@ def _instr_n(block_n, num_warps, block_m):
 
 
 @gluon.jit
-def _tile_of(pid, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """kernels.gemm._tile_of: GROUP_M row tiles in a row share each column tile while it is in L2."""
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (pid % group) % group_m, (pid % group) // group_m
+def _ring_barriers(STAGES: gl.constexpr):
+    """The ring's mbarriers, one pair per slot: `ready` (the loader's TMA bytes have landed) and `empty` (the MMA
+    warps are done reading), each completed by one arrival."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
 
 
 @gluon.jit
@@ -112,17 +112,13 @@ def _bi_matmul_ws_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_cm, GROUP_M: gl.
     and [BLOCK_N, 64] of w; grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    pid_m, pid_n = _tile_of(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_of(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     k_tiles = gl.cdiv(K, a_desc.block_type.shape[1])
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_mma, (a_bufs, b_bufs, ready, empty, c_ptr, M, N, stride_cm, off_m, off_n, k_tiles, num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles)),
@@ -191,11 +187,7 @@ def _bi_matmul_ws_swapped_kernel(w_desc, x1_desc, x2_desc, c_ptr, M, N, K, strid
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x1_bufs = gl.allocate_shared_memory(x1_desc.dtype, [STAGES] + x1_desc.block_type.shape, x1_desc.layout)
     x2_bufs = gl.allocate_shared_memory(x2_desc.dtype, [STAGES] + x2_desc.block_type.shape, x2_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_mma_swapped, (w_bufs, x1_bufs, x2_bufs, ready, empty, c_ptr, M, N, stride_cm, off_n, k_tiles, num_warps)),
         (_loader_swapped, (w_desc, x1_desc, x2_desc, w_bufs, x1_bufs, x2_bufs, ready, empty, off_n, k_tiles)),
@@ -238,11 +230,9 @@ def max_registers(block_m: int, block_n: int, stages: int) -> int | None:
     return 128 if 2 * (smem_bytes(block_m, block_n, stages) + 2048) <= _SMEM_PER_SM else None
 
 
-def supported(*ts: torch.Tensor) -> bool:
-    """Hopper (sm_90), and TMA-compatible row-major tensors (16-byte aligned rows and bases)."""
-    return (all(t.is_cuda for t in ts) and torch.cuda.get_device_capability(ts[0].device)[0] == 9
-            and all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-                    for t in ts))
+def runs_on(device: torch.device) -> bool:
+    """These kernels are built for Hopper (sm_90): wgmma, and TMA driven by a producer warp."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _layout(rows: int):
@@ -266,33 +256,35 @@ def matmul_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, block_m: int,
     _bi_matmul_ws_kernel[grid](a_d, w_d, c, m, n, k, c.stride(0), group_m, stages, num_warps=num_warps, **extra)
 
 
-def compile_sm90(block_m: int, block_n: int, group_m: int, num_warps: int, stages: int):
-    """The kernel compiled for sm_90 without a GPU (for CPU tests): Triton's CompiledKernel."""
+def _compile_sm90(kernel, signature: dict, constexprs: dict, aligned_args: tuple, num_warps: int):
+    """`kernel` compiled for sm_90 without a GPU, with the 16-byte divisibility hints a real launch gives
+    `aligned_args` (argument positions); without them the compiled code is not what runs."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sig = {"a_desc": f"tensordesc<bf16[{block_m}, {BLOCK_K}],{_layout(block_m)!r}>",
-           "b_desc": f"tensordesc<bf16[{block_n}, {BLOCK_K}],{_layout(block_n)!r}>",
-           "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
-           "GROUP_M": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
     aligned = [["tt.divisibility", 16]]
-    src = GluonASTSource(_bi_matmul_ws_kernel, sig,
-                         constexprs={"GROUP_M": group_m, "STAGES": stages, "num_warps": num_warps},
-                         attrs={(2,): aligned, (4,): aligned, (5,): aligned, (6,): aligned})
+    src = GluonASTSource(kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs,
+                         attrs={(i,): aligned for i in aligned_args})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def _descriptor_type(rows: int) -> str:
+    return f"tensordesc<bf16[{rows}, {BLOCK_K}],{_layout(rows)!r}>"
+
+
+_SCALARS = {"c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32"}
+
+
+def compile_sm90(block_m: int, block_n: int, group_m: int, num_warps: int, stages: int):
+    """`_bi_matmul_ws_kernel` compiled for sm_90 without a GPU (for CPU tests): Triton's CompiledKernel."""
+    return _compile_sm90(_bi_matmul_ws_kernel, {"a_desc": _descriptor_type(block_m), "b_desc": _descriptor_type(block_n),
+                                                **_SCALARS},
+                         {"GROUP_M": group_m, "STAGES": stages, "num_warps": num_warps}, (2, 4, 5, 6), num_warps)
 
 
 def compile_swapped_sm90(block_w: int, t1: int, t2: int, num_warps: int, stages: int):
     """`_bi_matmul_ws_swapped_kernel` compiled for sm_90 without a GPU (for CPU tests)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    sig = {"w_desc": f"tensordesc<bf16[{block_w}, {BLOCK_K}],{_layout(block_w)!r}>",
-           "x1_desc": f"tensordesc<bf16[{t1}, {BLOCK_K}],{_layout(t1)!r}>",
-           "x2_desc": f"tensordesc<bf16[{t2}, {BLOCK_K}],{_layout(t2)!r}>",
-           "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
-           "STAGES": "constexpr", "num_warps": "constexpr"}
-    aligned = [["tt.divisibility", 16]]
-    src = GluonASTSource(_bi_matmul_ws_swapped_kernel, sig, constexprs={"STAGES": stages, "num_warps": num_warps},
-                         attrs={(3,): aligned, (5,): aligned, (6,): aligned, (7,): aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return _compile_sm90(_bi_matmul_ws_swapped_kernel, {"w_desc": _descriptor_type(block_w),
+                                                        "x1_desc": _descriptor_type(t1), "x2_desc": _descriptor_type(t2),
+                                                        **_SCALARS},
+                         {"STAGES": stages, "num_warps": num_warps}, (3, 5, 6, 7), num_warps)
