@@ -346,7 +346,7 @@ CONFIGS = {
     "ws_m64_n256_s5": (64, 256, 8, 4, 5),
     "ws_m128_n256_s4": (128, 256, 8, 8, 4),
     # Swapped operands, warp-specialized (kernels/gemm_ws.py `_bi_matmul_ws_swapped_kernel`, session 44): one program
-    # per BLOCK_N weight rows covering up to BLOCK_M = 192 rows of x (128 + 16/32/64), each weight byte read once.
+    # per BLOCK_N weight rows covering up to BLOCK_M = 192 rows of x (128 + 8/16/32/64), each weight byte read once.
     # Off Hopper the pointer kernel runs 64 x min(BLOCK_N, 128) tiles instead (the same bits).
     "wsx_n128_s5": (192, 128, 1, 8, 5),
     "wsx_n256_s4": (192, 256, 1, 8, 4),
@@ -421,24 +421,26 @@ def pick_config(m: int, n: int, k: int) -> str:
         `_bi_matmul_streamk_kernel`) was slower where it cut tiles (8B o at 136 rows 24.8 us against 23.0) and is
         not kept (docs/rollout-profile.md, session 43).
     * Outputs up to 8192 wide at 65-512 rows, before the rules above for them (which now give only the one-wave
-      pointer tiles at up to 128 rows, and the persistent kernel where K < 2560 and the tiles below make more
-      than one wave; `dec_m64_n32_g8`, `dec_m64_n64_g8` and `dec_m64_n128_s7` are no longer picked; issue 39,
-      session 44, H100, `bench_gemm.py --graph`, Qwen3-1.7B, 4B and 8B qkv/o/down at 72-512 rows, all bitwise
-      vLLM's): the warp-specialized TMA kernel (kernels/gemm_ws.py), 64x128 tiles with 8
-      stages where they make one wave (6 stages at K >= 12288), else 64x256 tiles with 5 stages where those do and
-      K is at least 2560. At long K (8B and 14B down) 8 stages were slower where the last row tile is thin (8B down
-      at 136 / 200 rows: 59-63 / 60 us with 8 stages, 52.6-52.8 / 54.0 with 6; 14B down at 136: 102-107 against
-      93-95), and as fast or within 10 % elsewhere (160 / 256 rows: 48.2-48.7 / 47.0 against 51.9-52.0 / 52.7);
-      presumably the row tiles sharing a weight tile drift apart (a thin one runs ahead) and the others then
-      miss L2 on weights it fetched. Not measured as such.
-      Per layer against the picks they replace: 8B down 63-68 -> 52-54 us at 136-256 rows (cuBLAS 47-50), 8B o
-      22.7-23.1 -> 17.8-21.6, 8B qkv 30.8-36.2 -> 28.0-30.4, 8B o/down/qkv at 272-512 rows -3..-27 %, 4B o/down
-      at 136-384 rows 21-55 -> 15-36, 1.7B down at 136-512 rows 21-33 -> 19-22. The pointer kernel's one-wave
-      tiles stay at up to 128 rows (1.7B/8B o and down at 72-96 rows: 8.0/17.0/18.2/44.8 us against the warp-
-      specialized 9.4/17.9/20.5/46.5). At K = 2048 (1.7B qkv, 320-512 rows) the persistent kernel, which
-      overlaps a tile's store with the next tile's loads, was 6-15 % faster than 64x256 tiles, hence the K bound.
+      pointer tiles at up to 128 rows where K < 8192, and the persistent kernel where the tiles below make more
+      than one wave; `dec_m64_n32_g8`, `dec_m64_n64_g8` and `dec_m64_n128_s7` are no longer picked): the
+      warp-specialized TMA kernel (kernels/gemm_ws.py), `_warp_specialized_pick`: of 64x128, 128x64, 128x128 and
+      64x256 tiles, the one that makes the most programs in one wave (64-row tiles first on a tie; tiles of
+      128x128 elements or more only where K >= 2560). Session 44 introduced it (64x128 or 64x256 tiles; at K =
+      2048 the persistent kernel was 6-15 % faster than 64x256 tiles at 1.7B qkv 320-512 rows, hence the K
+      bound). Session 45 (H100, `bench_gemm.py --graph`, 1.7B and 8B qkv/o/down at 72-512 rows, all bitwise
+      vLLM's) found that TMA boxes reaching far past the last row were what made thin last row tiles slow
+      (kernels/gemm_ws.py, "Row tails"; e.g. 8B down, 128x64 tiles: 96.9 us at 136 rows, 52.4 at 256); with
+      the last row tile loading only its own rows, 8B down at 136 rows 57.6 -> 44.9 us (64x128, cuBLAS 46.5),
+      so the 6-stage variant session 44 took at K >= 12288 is no longer needed, and 128x64 / 128x128 tiles
+      became the fastest at many row counts. Per layer, session 44's pick -> this rule, same run (cuBLAS), 8B:
+      qkv 136-256 rows 28.5-30.6 -> 26.5-28.6 (22.1-23.8); o 136-160 18.0-20.6 -> 17.6-17.7 (15.3-15.8), 264-512
+      25.2-28.4 -> 25.0-27.6 (18.7-24.8); down 128 48.2 -> 43.9 (38.8), 136-256 51.6-53.0 -> 44.9-46.9
+      (41.7-52.4), 264-512 64.8-73.8 -> 62.6-72.5 (53.9-75.2). 1.7B: within 4 % of the best of the four tiles at
+      128-512 rows, except qkv at 264-272 (the persistent kernel, 15.9-16.4 us, against 64x256's 15.2-15.5). At
+      up to 128 rows and K < 8192 the pointer kernel's one-wave tiles stay (1.7B o/down at 128 rows: 7.9/18.3
+      us against 9.2/19.4); at 8B down the warp-specialized tiles won there (128 rows: 43.9 against 48.2).
     * Outputs wider than 8192 at 129-192 rows (session 44, H100, `bench_gemm.py --graph`): the swapped warp-specialized
-      kernel over every row at once (128 + 16/32/64 rows of x, two accumulators per weight tile), 256 weight rows per
+      kernel over every row at once (128 + 8/16/32/64 rows of x, two accumulators per weight tile), 256 weight rows per
       program where that makes one wave over at least half the SMs, else 128 where that makes one wave: gate_up 8B
       91-108 -> 87-95 us (cuBLAS 79-84), 4B 61-70 -> 49-54 (44-47), 1.7B 28.5-29.2 -> 25.5-27.9 (22.5-23.3). At 200-256
       rows (a second part of 128) it lost (8B 109-115 against 104.5-105.5) and is not picked; nor for lm_head (many
@@ -488,19 +490,26 @@ def pick_config(m: int, n: int, k: int) -> str:
     return "pers_m128_n256"
 
 
+_WS_TILES = ("ws_m64_n128_s8", "ws_m128_n64_s8", "ws_m128_n128_s6", "ws_m64_n256_s5")
+"""`_warp_specialized_pick`'s candidates, in its order of preference where two make as many programs."""
+
+
 def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
-    """`pick_config`'s warp-specialized tiles for m in 65-512 rows (its docstring), or None. Outputs wider than 8192
-    meet them only where 64x256 tiles make one wave (Qwen3-32B qkv, 10,240 wide, at up to 192 rows)."""
-    if m <= 128 and triton.cdiv(m, 64) * triton.cdiv(n, 64) <= _H100_SMS:
+    """`pick_config`'s warp-specialized tiles for m in 65-512 rows (its docstring), or None: of the tiles in
+    `_WS_TILES` that make one wave, the one with the most programs (the 128-wide tiles only where K >= 2560).
+    Outputs wider than 8192 meet them only where 64x256 tiles make one wave (Qwen3-32B qkv, 10,240 wide, at up
+    to 192 rows)."""
+    if m <= 128 and k < 8192 and triton.cdiv(m, 64) * triton.cdiv(n, 64) <= _H100_SMS:
         return None  # the pointer kernel's one wave of 64x32 or 64x64 tiles (below) is kept
-    if triton.cdiv(m, 64) * triton.cdiv(n, 128) <= _H100_SMS:
-        return "ws_m64_n128_s6" if k >= 12288 else "ws_m64_n128_s8"
-    if k >= 2560 and triton.cdiv(m, 64) * triton.cdiv(n, 256) <= _H100_SMS:
-        return "ws_m64_n256_s5"
-    return None
+    best, most = None, 0
+    for name in _WS_TILES:
+        bm, bn = CONFIGS[name][:2]
+        programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        if most < programs <= _H100_SMS and (bm * bn < 128 * 128 or k >= 2560):
+            best, most = name, programs
+    return best
 
 
-@functools.cache
 def _num_sms(device: torch.device) -> int:
     """The persistent kernel's program count: one per SM of the device."""
     return torch.cuda.get_device_properties(device).multi_processor_count

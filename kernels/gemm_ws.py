@@ -20,6 +20,17 @@ Partitions (`gl.warp_specialize`):
     and releases slot i - 1 (its wgmma has finished reading it). Then stores acc as bf16, masked to
     [M, N].
 
+Row tails. A decode step of 136 rows in 64-row tiles leaves a last tile of 8 rows; a TMA box of 64 rows there
+reads 56 rows past the end of x, which the TMA unit fills with zeros, and such boxes are slow: with the same
+programs and the same weight bytes, a tile's cost grew with its out-of-bounds rows (session 45, H100, 8B down,
+128 x 64 tiles: 52.4 us at 256 rows, 96.9 at 136; 1.7B down, three row tiles: 21.6 at 384 rows, 39.3 at 272).
+So the last row tile loads only the rows it has, in one or two power-of-two boxes (`row_pieces`: 8 rows as 8,
+72 as 64 + 8), into the first rows of its slot; the slot's other rows keep stale values from earlier chunks. An
+output row reads only its own row of x, and rows past M are never stored, so no output sees them. Same run,
+full box -> tail boxes: 8B down 136 rows 96.9 -> 44.9 us (128 x 64) and 57.6 -> 44.9 (64 x 128); full tiles
+within 2 %. The swapped kernel loads its second part the same way and may be as narrow as 8 rows
+(wgmma's narrowest N).
+
 Bits. Each output element is one fp32 accumulator that walks K in 64-wide chunks in increasing order,
 one `warpgroup_mma` per chunk (four k=16 wgmma instructions, as `tl.dot` lowers it), zero-padded past
 K, rounded once to bf16: the conditions in kernels/gemm.py's module doc, so every config here is
@@ -73,14 +84,37 @@ def _ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles):
+def _load_rows(p1_desc, p2_desc, TWO: gl.constexpr, row, col, bar, dst, pred):
+    """TMA-load rows row.. of x into the first rows of `dst` in one or two boxes (p1_desc's, then p2_desc's if TWO):
+    a row tail (module doc) loads only the rows it has, not a full box mostly out of bounds."""
+    P1: gl.constexpr = p1_desc.block_type.shape[0]
+    _tma_load(p1_desc, [row, col], bar, dst.slice(0, P1), pred=pred)
+    if TWO:
+        _tma_load(p2_desc, [row + P1, col], bar, dst.slice(P1, p2_desc.block_type.shape[0]), pred=pred)
+
+
+@gluon.jit
+def _loader(a_desc, t1_desc, t2_desc, b_desc, a_bufs, b_bufs, ready, empty, M, off_m, off_n, k_tiles,
+            TAIL: gl.constexpr):
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    FULL_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    TAIL_BYTES: gl.constexpr = (t1_desc.block_type.nbytes + (TAIL - 1) * t2_desc.block_type.nbytes
+                                + b_desc.block_type.nbytes)
+    full = off_m + BLOCK_M <= M
+    tail = off_m + BLOCK_M > M
     for i in range(k_tiles):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # slots start empty: the first wait passes
-        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        _tma_load(a_desc, [off_m, i * BK], ready.index(s), a_bufs.index(s))
+        if TAIL > 0:  # the last row tile loads only the rows it has (module doc: "Row tails")
+            mbarrier.expect(ready.index(s), FULL_BYTES, pred=full)
+            mbarrier.expect(ready.index(s), TAIL_BYTES, pred=tail)
+            _tma_load(a_desc, [off_m, i * BK], ready.index(s), a_bufs.index(s), pred=full)
+            _load_rows(t1_desc, t2_desc, TAIL == 2, off_m, i * BK, ready.index(s), a_bufs.index(s), tail)
+        else:
+            mbarrier.expect(ready.index(s), FULL_BYTES)
+            _tma_load(a_desc, [off_m, i * BK], ready.index(s), a_bufs.index(s))
         _tma_load(b_desc, [off_n, i * BK], ready.index(s), b_bufs.index(s))
 
 
@@ -106,10 +140,11 @@ def _mma(a_bufs, b_bufs, ready, empty, c_ptr, M, N, stride_cm, off_m, off_n, k_t
 
 
 @gluon.jit
-def _bi_matmul_ws_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_cm, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         num_warps: gl.constexpr):
+def _bi_matmul_ws_kernel(a_desc, t1_desc, t2_desc, b_desc, c_ptr, M, N, K, stride_cm, GROUP_M: gl.constexpr,
+                         TAIL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile per program (module doc); a_desc / b_desc: TMA boxes [BLOCK_M, 64] of x
-    and [BLOCK_N, 64] of w; grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)."""
+    and [BLOCK_N, 64] of w; t1_desc, t2_desc: the boxes of x that the last row tile loads instead (`tail_pieces`),
+    TAIL of them (0: M is a multiple of BLOCK_M); grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     pid_m, pid_n = tile_of(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -121,23 +156,25 @@ def _bi_matmul_ws_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_cm, GROUP_M: gl.
     ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_mma, (a_bufs, b_bufs, ready, empty, c_ptr, M, N, stride_cm, off_m, off_n, k_tiles, num_warps)),
-        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles)),
+        (_loader, (a_desc, t1_desc, t2_desc, b_desc, a_bufs, b_bufs, ready, empty, M, off_m, off_n, k_tiles, TAIL)),
     ], [1], [40])
 
 
 @gluon.jit
-def _loader_swapped(w_desc, x1_desc, x2_desc, w_bufs, x1_bufs, x2_bufs, ready, empty, off_n, k_tiles):
+def _loader_swapped(w_desc, x1_desc, p1_desc, p2_desc, TWO: gl.constexpr, w_bufs, x1_bufs, x2_bufs, ready, empty,
+                    off_n, k_tiles):
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
     T1: gl.constexpr = x1_desc.block_type.shape[0]
+    BYTES: gl.constexpr = (w_desc.block_type.nbytes + x1_desc.block_type.nbytes + p1_desc.block_type.nbytes
+                           + TWO * p2_desc.block_type.nbytes)
     for i in range(k_tiles):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s),
-                        w_desc.block_type.nbytes + x1_desc.block_type.nbytes + x2_desc.block_type.nbytes)
+        mbarrier.expect(ready.index(s), BYTES)
         _tma_load(w_desc, [off_n, i * BK], ready.index(s), w_bufs.index(s))
         _tma_load(x1_desc, [0, i * BK], ready.index(s), x1_bufs.index(s))
-        _tma_load(x2_desc, [T1, i * BK], ready.index(s), x2_bufs.index(s))
+        _load_rows(p1_desc, p2_desc, TWO, T1, i * BK, ready.index(s), x2_bufs.index(s), True)
 
 
 @gluon.jit
@@ -173,32 +210,35 @@ def _mma_swapped(w_bufs, x1_bufs, x2_bufs, ready, empty, c_ptr, M, N, stride_cm,
 
 
 @gluon.jit
-def _bi_matmul_ws_swapped_kernel(w_desc, x1_desc, x2_desc, c_ptr, M, N, K, stride_cm, STAGES: gl.constexpr,
-                                 num_warps: gl.constexpr):
+def _bi_matmul_ws_swapped_kernel(w_desc, x1_desc, p1_desc, p2_desc, c_ptr, M, N, K, stride_cm, T2: gl.constexpr,
+                                 TWO: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """C^T = W X^T, one program per BLOCK_W weight rows and every row of x (at most T1 + T2), so each weight byte
-    is read once: x's rows in two parts, T1 (x1_desc's box, from row 0) and T2 (x2_desc's box, from row T1), two
-    accumulators [BLOCK_W, T1] and [BLOCK_W, T2] fed by the same weight chunk (a decode step of 129-192 rows is
-    128 + 16/32/64, no padding to 256: Gluon's tensors, like Triton's, have power-of-two shapes). The operands'
-    roles are swapped as in kernels/gemm.py's `_bi_matmul_swap_kernel`, which gives vLLM's bits; each element is
-    still one K loop in order, one `warpgroup_mma` per 64-wide chunk."""
+    is read once: x's rows in two parts, T1 (x1_desc's box, from row 0) and T2 (from row T1, only the rows there
+    are: p1_desc's box and, if TWO, p2_desc's, `row_pieces`), two accumulators [BLOCK_W, T1] and [BLOCK_W, T2]
+    fed by the same weight chunk (a decode step of 129-192 rows is 128 + 8/16/32/64, no padding to 256: Gluon's
+    tensors, like Triton's, have power-of-two shapes). The operands' roles are swapped as in kernels/gemm.py's
+    `_bi_matmul_swap_kernel`, which gives vLLM's bits; each element is still one K loop in order, one
+    `warpgroup_mma` per 64-wide chunk."""
     BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
     off_n = gl.program_id(0) * BLOCK_W
     k_tiles = gl.cdiv(K, w_desc.block_type.shape[1])
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x1_bufs = gl.allocate_shared_memory(x1_desc.dtype, [STAGES] + x1_desc.block_type.shape, x1_desc.layout)
-    x2_bufs = gl.allocate_shared_memory(x2_desc.dtype, [STAGES] + x2_desc.block_type.shape, x2_desc.layout)
+    x2_bufs = gl.allocate_shared_memory(p1_desc.dtype, [STAGES, T2, p1_desc.block_type.shape[1]], p1_desc.layout)
     ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_mma_swapped, (w_bufs, x1_bufs, x2_bufs, ready, empty, c_ptr, M, N, stride_cm, off_n, k_tiles, num_warps)),
-        (_loader_swapped, (w_desc, x1_desc, x2_desc, w_bufs, x1_bufs, x2_bufs, ready, empty, off_n, k_tiles)),
+        (_loader_swapped, (w_desc, x1_desc, p1_desc, p2_desc, TWO, w_bufs, x1_bufs, x2_bufs, ready, empty, off_n,
+                           k_tiles)),
     ], [1], [40])
 
 
 def token_parts(rows: int) -> tuple[int, int]:
-    """(T1, T2) for a swapped launch over `rows` rows of x: power-of-two parts of at least 16 covering them, the
-    first at most 128 (at most 192 rows: T2 up to 64, whose accumulator fits the registers beside T1's)."""
+    """(T1, T2) for a swapped launch over `rows` rows of x: power-of-two parts covering them, the first at least 16
+    and at most 128, the second at least 8 (wgmma's narrowest N; module doc: "Row tails"); at most 192 rows: T2 up
+    to 64, whose accumulator fits the registers beside T1's."""
     t1 = 128 if rows > 128 else max(16, triton.next_power_of_2(rows))
-    return t1, max(16, triton.next_power_of_2(rows - t1)) if rows > t1 else 16
+    return t1, max(8, triton.next_power_of_2(rows - t1)) if rows > t1 else 8
 
 
 def matmul_swapped_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows_per_launch: int, block_w: int,
@@ -213,10 +253,25 @@ def matmul_swapped_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows_
     for lo in range(0, m, rows_per_launch):
         x, out = a[lo:lo + rows_per_launch], c[lo:lo + rows_per_launch]
         t1, t2 = token_parts(x.shape[0])
-        x1_d = TensorDescriptor.from_tensor(x, [t1, BLOCK_K], _layout(t1))
-        x2_d = TensorDescriptor.from_tensor(x, [t2, BLOCK_K], _layout(t2))
-        _bi_matmul_ws_swapped_kernel[(triton.cdiv(n, block_w),)](w_d, x1_d, x2_d, out, x.shape[0], n, k,
-                                                                  out.stride(0), stages, num_warps=num_warps)
+        p1, p2 = row_pieces(max(1, x.shape[0] - t1))
+        x1_d, p1_d = (TensorDescriptor.from_tensor(x, [r, BLOCK_K], _layout(r)) for r in (t1, p1))
+        p2_d = TensorDescriptor.from_tensor(x, [p2, BLOCK_K], _layout(p2)) if p2 else p1_d
+        _bi_matmul_ws_swapped_kernel[(triton.cdiv(n, block_w),)](w_d, x1_d, p1_d, p2_d, out, x.shape[0], n, k,
+                                                                  out.stride(0), t2, bool(p2), stages,
+                                                                  num_warps=num_warps)
+
+
+def row_pieces(rows: int) -> tuple[int, int]:
+    """TMA boxes (P1, P2) that load `rows` rows with few rows out of bounds (module doc: "Row tails"): the largest
+    power of two up to `rows`, then the power of two covering the rest (0 if none), each at least 8 rows (TMA's
+    128-byte swizzle atom); 72 rows load as 64 + 8, 24 as 16 + 8, 56 as 32 + 32."""
+    p1 = max(8, 1 << (rows.bit_length() - 1))
+    return p1, (max(8, triton.next_power_of_2(rows - p1)) if rows > p1 else 0)
+
+
+def tail_pieces(m: int, block_m: int) -> tuple[int, int]:
+    """`row_pieces` of the rows m leaves past its last full BLOCK_M tile, (0, 0) if none."""
+    return row_pieces(m % block_m) if m % block_m else (0, 0)
 
 
 def smem_bytes(block_m: int, block_n: int, stages: int) -> int:
@@ -247,13 +302,17 @@ def matmul_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, block_m: int,
     m, k = a.shape
     n = w.shape[0]
     a_d = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], _layout(block_m))
+    p1, p2 = tail_pieces(m, block_m)
+    t1_d = TensorDescriptor.from_tensor(a, [p1, BLOCK_K], _layout(p1)) if p1 else a_d
+    t2_d = TensorDescriptor.from_tensor(a, [p2, BLOCK_K], _layout(p2)) if p2 else t1_d
     w_d = TensorDescriptor.from_tensor(w, [block_n, BLOCK_K], _layout(block_n))
     extra = {}
     regs = max_registers(block_m, block_n, stages)
     if regs:
         extra["maxnreg"] = regs
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _bi_matmul_ws_kernel[grid](a_d, w_d, c, m, n, k, c.stride(0), group_m, stages, num_warps=num_warps, **extra)
+    _bi_matmul_ws_kernel[grid](a_d, t1_d, t2_d, w_d, c, m, n, k, c.stride(0), group_m, (p1 > 0) + (p2 > 0), stages,
+                               num_warps=num_warps, **extra)
 
 
 def _compile_sm90(kernel, signature: dict, constexprs: dict, aligned_args: tuple, num_warps: int):
@@ -275,16 +334,25 @@ def _descriptor_type(rows: int) -> str:
 _SCALARS = {"c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32"}
 
 
-def compile_sm90(block_m: int, block_n: int, group_m: int, num_warps: int, stages: int):
-    """`_bi_matmul_ws_kernel` compiled for sm_90 without a GPU (for CPU tests): Triton's CompiledKernel."""
-    return _compile_sm90(_bi_matmul_ws_kernel, {"a_desc": _descriptor_type(block_m), "b_desc": _descriptor_type(block_n),
-                                                **_SCALARS},
-                         {"GROUP_M": group_m, "STAGES": stages, "num_warps": num_warps}, (2, 4, 5, 6), num_warps)
+def compile_sm90(block_m: int, block_n: int, group_m: int, num_warps: int, stages: int, rows: int = 0):
+    """`_bi_matmul_ws_kernel` compiled for sm_90 without a GPU (for CPU tests), as a launch over `rows` rows of x
+    runs it (its row tail's boxes, `tail_pieces`; none by default): Triton's CompiledKernel."""
+    p1, p2 = tail_pieces(rows, block_m)
+    return _compile_sm90(_bi_matmul_ws_kernel, {"a_desc": _descriptor_type(block_m),
+                                                "t1_desc": _descriptor_type(p1 or block_m),
+                                                "t2_desc": _descriptor_type(p2 or p1 or block_m),
+                                                "b_desc": _descriptor_type(block_n), **_SCALARS},
+                         {"GROUP_M": group_m, "TAIL": (p1 > 0) + (p2 > 0), "STAGES": stages, "num_warps": num_warps},
+                         (4, 6, 7, 8), num_warps)
 
 
-def compile_swapped_sm90(block_w: int, t1: int, t2: int, num_warps: int, stages: int):
-    """`_bi_matmul_ws_swapped_kernel` compiled for sm_90 without a GPU (for CPU tests)."""
-    return _compile_sm90(_bi_matmul_ws_swapped_kernel, {"w_desc": _descriptor_type(block_w),
-                                                        "x1_desc": _descriptor_type(t1), "x2_desc": _descriptor_type(t2),
-                                                        **_SCALARS},
-                         {"STAGES": stages, "num_warps": num_warps}, (3, 5, 6, 7), num_warps)
+def compile_swapped_sm90(block_w: int, rows: int, num_warps: int, stages: int):
+    """`_bi_matmul_ws_swapped_kernel` compiled for sm_90 without a GPU (for CPU tests), as a launch over `rows`
+    (at most 192) rows of x runs it."""
+    t1, t2 = token_parts(rows)
+    p1, p2 = row_pieces(max(1, rows - t1))
+    descriptors = {"w_desc": block_w, "x1_desc": t1, "p1_desc": p1, "p2_desc": p2 or p1}
+    return _compile_sm90(_bi_matmul_ws_swapped_kernel,
+                         {**{name: _descriptor_type(r) for name, r in descriptors.items()}, **_SCALARS},
+                         {"T2": t2, "TWO": bool(p2), "STAGES": stages, "num_warps": num_warps}, (4, 6, 7, 8),
+                         num_warps)

@@ -41,6 +41,18 @@ def test_every_config_is_vllms_gemm_bitwise(vllm_linear, n, k, config):
         assert torch.equal(matmul(x, w, config), vllm_linear(x, w)), (m, n, k, config)
 
 
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith(("ws_", "wsx_"))])
+def test_warp_specialized_row_tails_are_vllms_bits(vllm_linear, config):
+    """Decode-step row counts whose last row tile is part-filled (8, 16, 24, 40, ... rows past the last full
+    tile, and two not multiples of 8): that tile loads only a box of its first rows and the rest of its shared
+    memory holds stale values (kernels/gemm_ws.py, "Row tails"); the rows stored are still vLLM's bits."""
+    for n, k in [(4096, 2048), (2048, 6144)]:
+        w = rand(n, k, seed=11)
+        for m in (130, 136, 144, 152, 168, 200, 264, 330, 456):
+            x = rand(m, k, seed=m)
+            assert torch.equal(matmul(x, w, config), vllm_linear(x, w)), (m, n, k, config)
+
+
 def test_lm_head_rows_alone_equal_rows_in_a_batch(vllm_linear):
     """A row's logits do not depend on how many rows share the call (the lm_head chunking)."""
     w = rand(151936, 2048, seed=2)
