@@ -358,104 +358,36 @@ _H100_SMS = 132
 
 
 def pick_config(m: int, n: int, k: int) -> str:
-    """Tile config for an [m, k] x [k, n] product; any choice gives the same bits (module doc).
+    """Tile config for an [m, k] x [k, n] product. Every config gives the same bits (module doc), so this picks for
+    speed only, from `compare/bench_gemm.py` on H100s at the Qwen3-1.7B, 4B and 8B linear shapes (since session 42
+    with `--graph`: CUDA-graph replays with the weights from HBM, as decode runs them; do_bench's Python launches
+    cost 70-90 us of host time per TMA-descriptor launch there). Each rule's measurements, and the tiles that lost,
+    are in docs/rollout-profile.md (issues 28 and 39, one section per session); _H100_SMS is the wave size.
 
-    Chosen from compare/bench_gemm.py on an H100 (do_bench median, L2 flushed) at Qwen3-1.7B's and
-    Qwen3-8B's linear shapes; every config was bitwise vLLM's kernel in those runs.
-
-    * Decode (m <= 64, one row per sequence; 2026-11-25/26): 64-row tiles with rows past m masked,
-      narrow enough that the output spreads over at least 128 programs (one per SM or more): 32
-      wide, 8 stages, within 0-3 % of cuBLAS at Qwen3-8B's shapes; outputs at most 4096 wide get
-      exactly 128 programs (16 wide up to 2048, else 32) and 12 stages to keep enough weight bytes
-      in flight per SM (at 1 and 8 rows: 1.7B down 20.3-21.4 us against 23.7-23.8 with 32-wide
-      tiles and cuBLAS's 19.5-19.7; 8B o 21.2-22.1 against 22.8-23.0 and cuBLAS's 22.9-23.1). 16-wide
-      tiles with 12 stages are 30-70 % slower on wide outputs (gate_up, lm_head), hence the split.
-      At most 16 rows and outputs wider than 4096 (2026-11-26): the swapped-operand kernel, whose
-      16 activation rows are the MMA's narrow side, 32 weight rows per program up to 16,384 wide
-      (1.7B gate_up 28.2-29.1 us at 1-8 rows against 31.7-31.9 and cuBLAS's 28.1-29.3), 16 weight
-      rows and 16 stages above (lm_head: 1.7B 213.6-218.5 against 219.6-224.2, 8B 416.2-422.7
-      against 422.7-428.6 and cuBLAS's 445.9-449.0; 8B gate_up 82.1-83.0 against 83.0-83.7).
-      Outputs up to 4096 wide gained at most 1.1 us (5 %) from it, from no one config: not picked.
-    * 65-512 rows (issue 39, 2026-11-26): a decode step replays the CUDA graph of the next capture
-      size, so these row counts are multiples of 8 (72, 80, ... 248) and then of 16 (256 ... 512).
-      Measured at 72, 128, 136, 176, 200, 256, 272, 384, 512 rows, every linear of Qwen3-1.7B and 8B,
-      26 configs (compare/bench_gemm.py; all bitwise vLLM's). The earlier picks (unmasked 64-row tiles,
-      then 128x128) ran 1.3-2x slower at row counts that are not a multiple of 16 or that leave a thin
-      last row tile (72, 136, 200, 272): per decode step's GEMMs 5.1 ms at 72 rows against 2.8 at 128
-      (1.7B), 17.2 ms at 136 against 8.9 at 128 (8B). The rule below is within 1.00-1.10x of the
-      fastest config per row count (summed over a step's layers), and 0.51-1.01x the old picks.
-      Masked tiles ("dec_": rows past m load zeros) or TMA (the hardware zero-fills them) everywhere:
-        outputs up to 4096 wide: 64x32 tiles to 128 rows, then 64x64 tiles in GROUP_M 8 order (a
-          column tile's row tiles back to back, its weights from L2 after the first) to 256 rows, and
-          to 512 rows at most 2048 wide; else the persistent kernel's 128x128 tiles. (Session 41 took
-          64x32 tiles at 129-256 rows at most 2048 wide from do_bench; replayed from a CUDA graph, as
-          decode runs them, 64x64 won in three runs of session 42: 1.7B down 23.0-23.7 us against
-          24.2-27.0, o 9.1-9.3 against 9.9-10.5);
-        4097-8192 wide: 64x32 tiles in GROUP_M 8 order to 128 rows, persistent 128x128 to 256,
-          persistent 128x256 above;
-        wider: persistent 128x256 when that makes at least 96 tiles, else TMA 128x128 (1.7B gate_up
-          at up to 128 rows, where 48 tiles of 128x256 leave most SMs idle); at 129-144 rows the
-          two-part tile of 144 = 128 + 16 rows (x256 with at least 96 tiles, else
-          x128; session 40, 2026-11-26, H200, 0 bitwise mismatches). The padded rows were the cost there:
-          8B gate_up at 136 rows 87.3 us against 111.2 (two 128-row tiles) and cuBLAS's 65.5, lm_head
-          437.7 against 596.9 and 342.5; 8B rollouts of 129-144 sequences 6.6-10.8 % faster. At 145-160
-          rows 160 = 128 + 32 tiles won on lm_head (444-455 us against 532-535) and tied on gate_up, but
-          8B rollouts of 152 and 160 sequences were 1-2 % slower (within the two GPUs' spread): not
-          picked. Above 160 rows they lost or tied (192 = 128 + 64: 8B lm_head 514 against 472 us).
-          At 145-512 rows, stream-K 128x256 tiles (`sk_m128_n256`) where 128x256 tiles make 133-165: a
-          second wave of at most a quarter of the 132 SMs, which stream-K shares out (session 42, H100,
-          `bench_gemm.py --graph`, two runs: 1.7B gate_up at 272-384 rows 41.4-45.6 us against
-          49.2-50.6; Qwen3-4B gate_up at 200-256 rows 61.5-61.7 against 66.6-67.6, at 152 rows 66.0
-          against 64.7). Where the last wave is fuller it lost (8B gate_up at 160 rows, 1.45 waves:
-          120.3 against 104.2; 8B lm_head's many waves: 1.03-1.25x slower).
-      Outputs up to 4096 wide, before the rule above (session 43, H100, `bench_gemm.py --graph`, Qwen3-1.7B, 4B
-        and 8B qkv/o/down at 72-512 rows): where 64x64 tiles fit one wave (at most one program per SM), 64x64
-        with 8 stages; where they would leave a second wave of at most a quarter of the SMs, 64x128 with 7 stages
-        (one wave). One program then keeps as many bytes in flight as two 5-stage programs on one SM did. Not at
-        up to 128 rows where 64x32 tiles already make one wave (1.7B o/down: 16 stages there were no faster).
-        Per decode step, qkv + o + down against the picks they replace, same run: 8B 65-128 rows -1..-8 %
-        (o 19.0 -> 16.8 us, down 50.8 -> 45.0 at 72 rows), 4B 65-256 rows -5..-14 % (down 39.3 -> 33.9 at 136),
-        1.7B 65-320 rows -3..-6 % (down 23.3 -> 21.3 at 136). At 1.45 waves or more of 64x64 tiles the 64x128
-        one-wave tiles were within +-5 % of the picks (8B o at 136 rows 21.9 us against 23.1; 1.7B down at 384
-        rows 33.8 against 32.7): not picked. A stream-K variant of the pointer kernel (cut tiles carried as in
-        `_bi_matmul_streamk_kernel`) was slower where it cut tiles (8B o at 136 rows 24.8 us against 23.0) and is
-        not kept (docs/rollout-profile.md, session 43).
-    * Outputs up to 8192 wide at 65-512 rows, before the rules above for them (which now give only the one-wave
-      pointer tiles at up to 128 rows where K < 8192, and the persistent kernel where the tiles below make more
-      than one wave; `dec_m64_n32_g8`, `dec_m64_n64_g8` and `dec_m64_n128_s7` are no longer picked): the
-      warp-specialized TMA kernel (kernels/gemm_ws.py), `_warp_specialized_pick`: of 64x128, 128x64, 128x128 and
-      64x256 tiles, the one that makes the most programs in one wave (64-row tiles first on a tie; tiles of
-      128x128 elements or more only where K >= 2560). Session 44 introduced it (64x128 or 64x256 tiles; at K =
-      2048 the persistent kernel was 6-15 % faster than 64x256 tiles at 1.7B qkv 320-512 rows, hence the K
-      bound). Session 45 (H100, `bench_gemm.py --graph`, 1.7B and 8B qkv/o/down at 72-512 rows, all bitwise
-      vLLM's) found that TMA boxes reaching far past the last row were what made thin last row tiles slow
-      (kernels/gemm_ws.py, "Row tails"; e.g. 8B down, 128x64 tiles: 96.9 us at 136 rows, 52.4 at 256); with
-      the last row tile loading only its own rows, 8B down at 136 rows 57.6 -> 44.9 us (64x128, cuBLAS 46.5),
-      so the 6-stage variant session 44 took at K >= 12288 is no longer needed, and 128x64 / 128x128 tiles
-      became the fastest at many row counts. Per layer, session 44's pick -> this rule, same run (cuBLAS), 8B:
-      qkv 136-256 rows 28.5-30.6 -> 26.5-28.6 (22.1-23.8); o 136-160 18.0-20.6 -> 17.6-17.7 (15.3-15.8), 264-512
-      25.2-28.4 -> 25.0-27.6 (18.7-24.8); down 128 48.2 -> 43.9 (38.8), 136-256 51.6-53.0 -> 44.9-46.9
-      (41.7-52.4), 264-512 64.8-73.8 -> 62.6-72.5 (53.9-75.2). 1.7B: within 4 % of the best of the four tiles at
-      128-512 rows, except qkv at 264-272 (the persistent kernel, 15.9-16.4 us, against 64x256's 15.2-15.5). At
-      up to 128 rows and K < 8192 the pointer kernel's one-wave tiles stay (1.7B o/down at 128 rows: 7.9/18.3
-      us against 9.2/19.4); at 8B down the warp-specialized tiles won there (128 rows: 43.9 against 48.2).
-    * Outputs wider than 8192 at 129-192 rows (session 44, H100, `bench_gemm.py --graph`): the swapped warp-specialized
-      kernel over every row at once (128 + 8/16/32/64 rows of x, two accumulators per weight tile), 256 weight rows per
-      program where that makes one wave over at least half the SMs, else 128 where that makes one wave: gate_up 8B
-      91-108 -> 87-95 us (cuBLAS 79-84), 4B 61-70 -> 49-54 (44-47), 1.7B 28.5-29.2 -> 25.5-27.9 (22.5-23.3). At 200-256
-      rows (a second part of 128) it lost (8B 109-115 against 104.5-105.5) and is not picked; nor for lm_head (many
-      waves, unmeasured). Where 64x256 tiles of the unswapped kernel make one wave (Qwen3-32B qkv, 10,240 wide) those
-      come first: 45.5-46.5 us at 136-192 rows against 47.9-50.5.
-    * Timings from session 42 on are CUDA-graph replays with the weights from HBM
-      (`compare/bench_gemm.py --graph`): do_bench's launches from Python took 70-90 us of host time
-      per TMA-descriptor launch on that host, more than most decode GEMMs, and ranked the TMA configs
-      behind the pointer kernel's by that.
-    * 1024 rows and up (long prefills, the trainer; 2026-11-26): the persistent TMA kernel with
-      128x256 tiles, within -4..+6 % of cuBLAS from 2048 rows on (8B: qkv 607 us at 8192 rows
-      against cuBLAS's 635 and the 256x128 pointer tiles' 739; gate_up 2,364 against 2,342 and
-      3,103), except outputs 4097-8192 wide below 2048 rows (8B qkv at 1024 rows), where 128x256
-      tiles make 1.5 waves over 132 SMs and 128x128 tiles are 10 % faster. 513-1023 rows keep the
-      2026-11-23 choice (vLLM's 128x128 tiles, 5 stages for outputs up to 2048 wide)."""
+    * At most 16 rows and outputs wider than 4096: the swapped-operand kernel (the few activation rows are the MMA's
+      narrow side), 32 weight rows per program up to 16,384 wide, else 16 with 16 stages (lm_head: 8B 416-423 us
+      against cuBLAS's 446-449).
+    * At most 64 rows: masked 64-row tiles narrow enough to spread the output over at least 128 programs, with 12
+      stages up to 4096 wide (1.7B down 20.3-21.4 us at 1-8 rows against cuBLAS's 19.5-19.7).
+    * 65-512 rows: a decode step replays the CUDA graph of the next capture size (multiples of 8 to 256, then of
+      16), so every tile here is masked or TMA-loaded (unmasked pointer tiles were 1.3-2x slower at row counts such
+      as 72, 136, 200, 272):
+        - `_warp_specialized_pick` first (kernels/gemm_ws.py): the one-wave warp-specialized tile with the most
+          programs (its docstring);
+        - wider than 8192 at 129-192 rows: the swapped warp-specialized kernel over every row at once, each weight
+          byte read once (256 weight rows per program where that makes one wave over at least half the SMs, else
+          128): 8B gate_up at 136 rows 87 us against 91 before, cuBLAS 79-80;
+        - wider than 8192 otherwise: two-part 144-row tiles (128 + 16, no padded second 128-row tile) at 129-144
+          rows; at up to 128 rows persistent 128x256 tiles where they make 96 tiles or more, else TMA 128x128;
+          above, stream-K 128x256 tiles where they leave a second wave of at most a quarter of the SMs (1.7B
+          gate_up at 272-384 rows 41-46 us against 49-51), else persistent 128x256;
+        - up to 8192 wide, not taken above: at up to 128 rows the pointer kernel's one wave of 64x32 tiles (where
+          they make one) or 64x64 tiles with 8 stages; else the persistent kernel, 128x128 (128x256 above 256 rows
+          and 4096 wide), which overlaps a tile's store with the next tile's loads (1.7B qkv at 264-512 rows).
+    * 513-1023 rows: vLLM's own 128x128 tiles (5 stages up to 2048 wide).
+    * 1024 rows and up (long prefills, the trainer): persistent 128x256 tiles, within -4..+6 % of cuBLAS from 2048
+      rows (8B qkv 607 us at 8192 rows against cuBLAS's 635), except 4097-8192 wide below 2048 rows, where 128x256
+      tiles make 1.5 waves and 128x128 tiles were 10 % faster."""
     if m <= 16 and n > 4096:
         return "swp_m16_n32" if n <= 16384 else "swp_m16_n16_s16"
     if m <= 64:
@@ -482,7 +414,7 @@ def pick_config(m: int, n: int, k: int) -> str:
             return "pers_m128_n256"
         if m <= 128:  # here 64x64 tiles make one wave: 64x32 tiles where those do too, else 8 stages deep
             return "dec_m64_n32" if triton.cdiv(m, 64) * triton.cdiv(n, 32) <= _H100_SMS else "dec_m64_n64_s8"
-        return "pers_m128_n128" if m <= 256 or n <= 4096 else "pers_m128_n256"  # K < 2560, many tiles
+        return "pers_m128_n128" if m <= 256 or n <= 4096 else "pers_m128_n256"  # no one-wave warp-specialized tile
     if m < 1024:
         return "m128_n128_s5" if n <= 2048 else "vllm"
     if m < 2048 and 4096 < n <= 8192:
@@ -495,10 +427,20 @@ _WS_TILES = ("ws_m64_n128_s8", "ws_m128_n64_s8", "ws_m128_n128_s6", "ws_m64_n256
 
 
 def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
-    """`pick_config`'s warp-specialized tiles for m in 65-512 rows (its docstring), or None: of the tiles in
-    `_WS_TILES` that make one wave, the one with the most programs (the 128-wide tiles only where K >= 2560).
-    Outputs wider than 8192 meet them only where 64x256 tiles make one wave (Qwen3-32B qkv, 10,240 wide, at up
-    to 192 rows)."""
+    """`pick_config`'s warp-specialized tile for m in 65-512 rows, or None: of `_WS_TILES` that make one wave, the
+    one with the most programs (64-row tiles first on a tie), tiles of 128x128 elements or more only where K >= 2560;
+    at up to 128 rows none where K < 8192 and the pointer kernel's 64x64 tiles make one wave. Outputs wider than
+    8192 meet them only where 64x256 tiles make one wave (Qwen3-32B qkv, 10,240 wide, at up to 192 rows).
+
+    Measured (H100, `bench_gemm.py --graph`, all bitwise vLLM's; docs/rollout-profile.md, sessions 44-45): the
+    pointer kernel moved the same bytes as cuBLAS with 4x its instructions (ncu, 8B o at 160 rows), which a TMA
+    loader warp removes (kernels/gemm_ws.py); with the last row tile loading only its own rows (kernels/gemm_ws.py, "Row tails"), per 8B layer at
+    136 rows qkv + o + down 89.0 us against 101.7 with session 44's picks and cuBLAS's 84.1 (down 44.9 against
+    46.5); at 1.7B within 4 % of the best of the four tiles at 128-512 rows except qkv at 264-272 rows, where the
+    K bound keeps the persistent kernel (15.9-16.4 us against 64x256's 15.2-15.5). Kept elsewhere: the pointer
+    kernel's one-wave tiles at up to 128 rows and K < 8192 (1.7B o/down at 128 rows 7.9/18.3 us against 9.2/19.4;
+    8B down at 128 rows, K = 12,288, went to 64x128 warp-specialized tiles: 43.9 against 48.2); the persistent
+    kernel at K = 2048 beyond one wave (6-15 % faster than 64x256 tiles at 1.7B qkv 320-512 rows)."""
     if m <= 128 and k < 8192 and triton.cdiv(m, 64) * triton.cdiv(n, 64) <= _H100_SMS:
         return None  # the pointer kernel's one wave of 64x32 or 64x64 tiles (below) is kept
     best, most = None, 0
