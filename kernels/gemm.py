@@ -422,6 +422,27 @@ def pick_config(m: int, n: int, k: int) -> str:
     return "pers_m128_n256"
 
 
+def compile_key(m: int, n: int, k: int) -> tuple:
+    """What `matmul` at m rows of an [N, K] weight compiles: its config (`pick_config`), Triton's specialization of
+    the row count (1, a multiple of 16, neither) and, for the warp-specialized configs, the TMA boxes of the rows
+    past the last full row tile (kernels/gemm_ws.py, "Row tails"), which are part of the compiled kernel. Two row
+    counts with equal keys run one compiled kernel (spirl/loops/precompile.py builds each key once)."""
+    config = pick_config(m, n, k)
+    key = (n, k, config, m == 1, m % 16 == 0)
+    if config.startswith("ws_"):
+        from kernels import gemm_ws
+
+        return key + gemm_ws.tail_pieces(m, CONFIGS[config][0])
+    if config.startswith("wsx_"):  # launches of at most BLOCK_M rows, each with its own parts
+        from kernels import gemm_ws
+
+        block = CONFIGS[config][0]
+        launches = {min(block, m - lo) for lo in range(0, m, block)}
+        return key + tuple(sorted((r == 1, r % 16 == 0, gemm_ws.token_parts(r), gemm_ws.row_pieces(
+            max(1, r - gemm_ws.token_parts(r)[0]))) for r in launches))
+    return key
+
+
 _WS_TILES = ("ws_m64_n128_s8", "ws_m128_n64_s8", "ws_m128_n128_s6", "ws_m64_n256_s5")
 """`_warp_specialized_pick`'s candidates, in its order of preference where two make as many programs."""
 
