@@ -429,18 +429,15 @@ def compile_key(m: int, n: int, k: int) -> tuple:
     counts with equal keys run one compiled kernel (spirl/loops/precompile.py builds each key once)."""
     config = pick_config(m, n, k)
     key = (n, k, config, m == 1, m % 16 == 0)
+    if not config.startswith(("ws_", "wsx_")):
+        return key
+    from kernels import gemm_ws
+
+    block = CONFIGS[config][0]
     if config.startswith("ws_"):
-        from kernels import gemm_ws
-
-        return key + gemm_ws.tail_pieces(m, CONFIGS[config][0])
-    if config.startswith("wsx_"):  # launches of at most BLOCK_M rows, each with its own parts
-        from kernels import gemm_ws
-
-        block = CONFIGS[config][0]
-        launches = {min(block, m - lo) for lo in range(0, m, block)}
-        return key + tuple(sorted((r == 1, r % 16 == 0, gemm_ws.token_parts(r), gemm_ws.row_pieces(
-            max(1, r - gemm_ws.token_parts(r)[0]))) for r in launches))
-    return key
+        return key + gemm_ws.tail_boxes(m, block)
+    launches = {min(block, m - lo) for lo in range(0, m, block)}  # `matmul_swapped_into`'s launches of <= BLOCK_M rows
+    return key + tuple(sorted((r == 1, r % 16 == 0, gemm_ws.swapped_boxes(r)) for r in launches))
 
 
 _WS_TILES = ("ws_m64_n128_s8", "ws_m128_n64_s8", "ws_m128_n128_s6", "ws_m64_n256_s5")
@@ -455,9 +452,9 @@ def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
 
     Measured (H100, `bench_gemm.py --graph`, all bitwise vLLM's; docs/rollout-profile.md, sessions 44-45): the
     pointer kernel moved the same bytes as cuBLAS with 4x its instructions (ncu, 8B o at 160 rows), which a TMA
-    loader warp removes (kernels/gemm_ws.py); with the last row tile loading only its own rows (kernels/gemm_ws.py, "Row tails"), per 8B layer at
-    136 rows qkv + o + down 89.0 us against 101.7 with session 44's picks and cuBLAS's 84.1 (down 44.9 against
-    46.5); at 1.7B within 4 % of the best of the four tiles at 128-512 rows except qkv at 264-272 rows, where the
+    loader warp removes (kernels/gemm_ws.py); with the last row tile loading only its own rows ("Row tails"
+    there), per 8B layer at 136 rows qkv + o + down 89.0 us against 101.7 with session 44's picks and cuBLAS's
+    84.1 (down 44.9 against 46.5); at 1.7B within 4 % of the best of the four tiles at 128-512 rows except qkv at 264-272 rows, where the
     K bound keeps the persistent kernel (15.9-16.4 us against 64x256's 15.2-15.5). Kept elsewhere: the pointer
     kernel's one-wave tiles at up to 128 rows and K < 8192 (1.7B o/down at 128 rows 7.9/18.3 us against 9.2/19.4;
     8B down at 128 rows, K = 12,288, went to 64x128 warp-specialized tiles: 43.9 against 48.2); the persistent

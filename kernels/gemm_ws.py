@@ -245,20 +245,23 @@ def matmul_swapped_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows_
                         num_warps: int, stages: int) -> None:
     """c = a @ w.T with `_bi_matmul_ws_swapped_kernel`, `rows_per_launch` (at most 192) rows of a per launch (an
     output row's arithmetic reads only its own row of a, so the split does not enter the bits)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     m, k = a.shape
     n = w.shape[0]
-    w_d = TensorDescriptor.from_tensor(w, [block_w, BLOCK_K], _layout(block_w))
+    w_d = _descriptor(w, block_w)
     for lo in range(0, m, rows_per_launch):
         x, out = a[lo:lo + rows_per_launch], c[lo:lo + rows_per_launch]
-        t1, t2 = token_parts(x.shape[0])
-        p1, p2 = row_pieces(max(1, x.shape[0] - t1))
-        x1_d, p1_d = (TensorDescriptor.from_tensor(x, [r, BLOCK_K], _layout(r)) for r in (t1, p1))
-        p2_d = TensorDescriptor.from_tensor(x, [p2, BLOCK_K], _layout(p2)) if p2 else p1_d
-        _bi_matmul_ws_swapped_kernel[(triton.cdiv(n, block_w),)](w_d, x1_d, p1_d, p2_d, out, x.shape[0], n, k,
-                                                                  out.stride(0), t2, bool(p2), stages,
-                                                                  num_warps=num_warps)
+        t1, t2, p1, p2, two = swapped_boxes(x.shape[0])
+        d = {r: _descriptor(x, r) for r in {t1, p1, p2}}
+        _bi_matmul_ws_swapped_kernel[(triton.cdiv(n, block_w),)](w_d, d[t1], d[p1], d[p2], out, x.shape[0], n, k,
+                                                                  out.stride(0), t2, two, stages, num_warps=num_warps)
+
+
+def swapped_boxes(rows: int) -> tuple[int, int, int, int, bool]:
+    """A swapped launch over `rows` rows of x: (T1, T2, P1, P2, TWO): its two parts (`token_parts`), and the one or
+    two TMA boxes that load the second part's rows (`row_pieces`; P2 is P1 again where one box does, TWO False)."""
+    t1, t2 = token_parts(rows)
+    p1, p2 = row_pieces(max(1, rows - t1))
+    return t1, t2, p1, p2 or p1, bool(p2)
 
 
 def row_pieces(rows: int) -> tuple[int, int]:
@@ -272,6 +275,20 @@ def row_pieces(rows: int) -> tuple[int, int]:
 def tail_pieces(m: int, block_m: int) -> tuple[int, int]:
     """`row_pieces` of the rows m leaves past its last full BLOCK_M tile, (0, 0) if none."""
     return row_pieces(m % block_m) if m % block_m else (0, 0)
+
+
+def tail_boxes(m: int, block_m: int) -> tuple[int, int, int]:
+    """`_bi_matmul_ws_kernel`'s TAIL, t1_desc's and t2_desc's box rows for a launch over m rows: the boxes of
+    `tail_pieces` (TAIL of them; an unused one repeats the one before, BLOCK_M where there is no tail)."""
+    p1, p2 = tail_pieces(m, block_m)
+    return (p1 > 0) + (p2 > 0), p1 or block_m, p2 or p1 or block_m
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """A TMA descriptor of t (row-major) with [rows, BLOCK_K] boxes."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, [rows, BLOCK_K], _layout(rows))
 
 
 def smem_bytes(block_m: int, block_n: int, stages: int) -> int:
@@ -297,21 +314,17 @@ def _layout(rows: int):
 def matmul_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, block_m: int, block_n: int, group_m: int,
                 num_warps: int, stages: int) -> None:
     """c[M, N] = a[M, K] @ w[N, K].T on the tile (block_m, block_n) with `stages` K chunks in flight."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     m, k = a.shape
     n = w.shape[0]
-    a_d = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], _layout(block_m))
-    p1, p2 = tail_pieces(m, block_m)
-    t1_d = TensorDescriptor.from_tensor(a, [p1, BLOCK_K], _layout(p1)) if p1 else a_d
-    t2_d = TensorDescriptor.from_tensor(a, [p2, BLOCK_K], _layout(p2)) if p2 else t1_d
-    w_d = TensorDescriptor.from_tensor(w, [block_n, BLOCK_K], _layout(block_n))
+    tail, r1, r2 = tail_boxes(m, block_m)
+    d = {r: _descriptor(a, r) for r in {block_m, r1, r2}}
+    w_d = _descriptor(w, block_n)
     extra = {}
     regs = max_registers(block_m, block_n, stages)
     if regs:
         extra["maxnreg"] = regs
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _bi_matmul_ws_kernel[grid](a_d, t1_d, t2_d, w_d, c, m, n, k, c.stride(0), group_m, (p1 > 0) + (p2 > 0), stages,
+    _bi_matmul_ws_kernel[grid](d[block_m], d[r1], d[r2], w_d, c, m, n, k, c.stride(0), group_m, tail, stages,
                                num_warps=num_warps, **extra)
 
 
@@ -337,22 +350,19 @@ _SCALARS = {"c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "
 def compile_sm90(block_m: int, block_n: int, group_m: int, num_warps: int, stages: int, rows: int = 0):
     """`_bi_matmul_ws_kernel` compiled for sm_90 without a GPU (for CPU tests), as a launch over `rows` rows of x
     runs it (its row tail's boxes, `tail_pieces`; none by default): Triton's CompiledKernel."""
-    p1, p2 = tail_pieces(rows, block_m)
-    return _compile_sm90(_bi_matmul_ws_kernel, {"a_desc": _descriptor_type(block_m),
-                                                "t1_desc": _descriptor_type(p1 or block_m),
-                                                "t2_desc": _descriptor_type(p2 or p1 or block_m),
-                                                "b_desc": _descriptor_type(block_n), **_SCALARS},
-                         {"GROUP_M": group_m, "TAIL": (p1 > 0) + (p2 > 0), "STAGES": stages, "num_warps": num_warps},
+    tail, r1, r2 = tail_boxes(rows, block_m)
+    return _compile_sm90(_bi_matmul_ws_kernel, {"a_desc": _descriptor_type(block_m), "t1_desc": _descriptor_type(r1),
+                                                "t2_desc": _descriptor_type(r2), "b_desc": _descriptor_type(block_n),
+                                                **_SCALARS},
+                         {"GROUP_M": group_m, "TAIL": tail, "STAGES": stages, "num_warps": num_warps},
                          (4, 6, 7, 8), num_warps)
 
 
 def compile_swapped_sm90(block_w: int, rows: int, num_warps: int, stages: int):
     """`_bi_matmul_ws_swapped_kernel` compiled for sm_90 without a GPU (for CPU tests), as a launch over `rows`
     (at most 192) rows of x runs it."""
-    t1, t2 = token_parts(rows)
-    p1, p2 = row_pieces(max(1, rows - t1))
-    descriptors = {"w_desc": block_w, "x1_desc": t1, "p1_desc": p1, "p2_desc": p2 or p1}
+    t1, t2, p1, p2, two = swapped_boxes(rows)
+    descriptors = {"w_desc": block_w, "x1_desc": t1, "p1_desc": p1, "p2_desc": p2}
     return _compile_sm90(_bi_matmul_ws_swapped_kernel,
                          {**{name: _descriptor_type(r) for name, r in descriptors.items()}, **_SCALARS},
-                         {"T2": t2, "TWO": bool(p2), "STAGES": stages, "num_warps": num_warps}, (4, 6, 7, 8),
-                         num_warps)
+                         {"T2": t2, "TWO": two, "STAGES": stages, "num_warps": num_warps}, (4, 6, 7, 8), num_warps)
