@@ -470,6 +470,7 @@ def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
     return best
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     """The persistent kernel's program count: one per SM of the device."""
     return torch.cuda.get_device_properties(device).multi_processor_count
