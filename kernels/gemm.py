@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 import triton
@@ -139,7 +140,8 @@ def _bi_matmul_tma_kernel(a_desc, b_desc, c_desc, M, N, K,
 @triton.jit
 def _bi_matmul_persistent_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N, K,
                                  BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                                 TAIL: tl.constexpr = 0):
     """`_bi_matmul_tma_kernel` as a persistent kernel: one program per SM walks the tiles NUM_SMS apart (in
     `tile_of`'s grouped order), and `flatten=True` lets Triton software-pipeline across tile boundaries, so
     the next tile's TMA loads overlap this tile's last dots and its store. The epilogue's tile index is
@@ -155,13 +157,38 @@ def _bi_matmul_persistent_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N,
     rows as above, the last BLOCK_M2 rows with the operands swapped (W X^T, as `_bi_matmul_swap_kernel`),
     so the tensor-core instruction's row side is the weight tile, not a handful of activation rows.
 
+    TAIL > 0 (with BLOCK_M2 = 0; `persistent_tail`): M leaves a last row tile of at most 64 rows, and that tile
+    is computed from a TAIL-row box only (`a2_desc` / `c2_desc` are [TAIL, BLOCK_K] / [TAIL, BLOCK_N] boxes), with
+    the operands swapped as above: a full BLOCK_M box there would load mostly rows past M, which the TMA unit
+    zero-fills slowly, and its dot would multiply them (kernels/gemm_ws.py, "Row tails"). NUM_SMS is then the
+    launch's program count, chosen so that a program's tiles fall in different row tiles (`persistent_programs`).
+
     Either way each element is one K loop in order, one `tl.dot` per 64-wide chunk into an fp32
     accumulator, with TMA's zero fill past K and past M: the module doc's conditions, so every element gets
     vLLM's bits."""
     start = tl.program_id(0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if TAIL > 0:
+        last_m = M // BLOCK_M  # the row tile of the tail rows
+        for tile in tl.range(start, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), NUM_SMS):
+            pid_m, pid_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            if pid_m == last_m:
+                acc_t = tl.zeros((BLOCK_N, TAIL), dtype=tl.float32)
+                for ki in range(k_tiles):
+                    at = a2_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                    b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+                    acc_t = tl.dot(b, at.T, acc_t)
+                c2_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], tl.trans(acc_t.to(tl.bfloat16)))
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for ki in range(k_tiles):
+                    a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                    b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+                    acc = tl.dot(a, b.T, acc)
+                c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(tl.bfloat16))
+        return
     rows = BLOCK_M + BLOCK_M2
     num_tiles = tl.cdiv(M, rows) * tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
     tile_c = start - NUM_SMS
     for tile in tl.range(start, num_tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = tile_of(tile, M, N, rows, BLOCK_N, GROUP_M)
@@ -380,7 +407,9 @@ def pick_config(m: int, n: int, k: int) -> str:
         - wider than 8192 otherwise: two-part 144-row tiles (128 + 16, no padded second 128-row tile) at 129-144
           rows; at up to 128 rows persistent 128x256 tiles where they make 96 tiles or more, else TMA 128x128;
           above, stream-K 128x256 tiles where they leave a second wave of at most a quarter of the SMs (1.7B
-          gate_up at 272-384 rows 41-46 us against 49-51), else persistent 128x256;
+          gate_up at 272-384 rows 41-46 us against 49-51), else persistent 128x128 at up to 320 rows where they
+          make at most 8 waves, with the last row tile's 1-64 rows loaded alone (`persistent_tail`; 8B gate_up at
+          257-320 rows 130-134 us against 137-142 for 128x256, cuBLAS 86-97), else persistent 128x256;
         - up to 8192 wide, not taken above: at up to 128 rows the pointer kernel's one wave of 64x32 tiles (where
           they make one) or 64x64 tiles with 8 stages; else the persistent kernel, 128x128 (128x256 above 256 rows
           and 4096 wide), which overlaps a tile's store with the next tile's loads (1.7B qkv at 264-512 rows).
@@ -411,6 +440,8 @@ def pick_config(m: int, n: int, k: int) -> str:
                 return "pers_m128_n256" if tiles >= 96 else "tma_m128_n128"
             if _H100_SMS < tiles <= _H100_SMS * 5 // 4:  # a second wave of at most a quarter of the SMs
                 return "sk_m128_n256"
+            if m <= 320 and triton.cdiv(m, 128) * triton.cdiv(n, 128) <= 8 * _H100_SMS:
+                return "pers_m128_n128"  # a last row tile of 1-64 rows is loaded alone (persistent_tail)
             return "pers_m128_n256"
         if m <= 128:  # here 64x64 tiles make one wave: 64x32 tiles where those do too, else 8 stages deep
             return "dec_m64_n32" if triton.cdiv(m, 64) * triton.cdiv(n, 32) <= _H100_SMS else "dec_m64_n64_s8"
@@ -426,9 +457,15 @@ def compile_key(m: int, n: int, k: int) -> tuple:
     """What `matmul` at m rows of an [N, K] weight compiles: its config (`pick_config`), Triton's specialization of
     the row count (1, a multiple of 16, neither) and, for the warp-specialized configs, the TMA boxes of the rows
     past the last full row tile (kernels/gemm_ws.py, "Row tails"), which are part of the compiled kernel. Two row
-    counts with equal keys run one compiled kernel (spirl/loops/precompile.py builds each key once)."""
+    counts with equal keys run one compiled kernel (spirl/loops/precompile.py builds each key once). The persistent
+    kernel's row tail and program count (`persistent_tail`, `persistent_programs`) are constexprs too; the count is
+    taken for an H100's 132 SMs, as `pick_config`'s waves are."""
     config = pick_config(m, n, k)
     key = (n, k, config, m == 1, m % 16 == 0)
+    if config.startswith("pers_"):
+        bm, bn, gm = CONFIGS[config][:3]
+        tail = persistent_tail(m, bm, bn)
+        return key + (tail, persistent_programs(m, n, bm, bn, gm, _H100_SMS, tail))
     if not config.startswith(("ws_", "wsx_")):
         return key
     from kernels import gemm_ws
@@ -468,6 +505,45 @@ def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
         if most < programs <= _H100_SMS and (bm * bn < 128 * 128 or k >= 2560):
             best, most = name, programs
     return best
+
+
+TAIL_STORE_ELEMENTS = 32 * 256
+"""The largest tail tile (rows x BLOCK_N) `_bi_matmul_persistent_kernel` takes: its TMA store needs shared memory of
+its own, and 128 x 256 tiles with 3 stages leave 16 KB (sm_90: 213 KB without a tail, 221 KB with 16 rows, 229 KB
+with 32, 246 KB with 64, above the 227 KB an SM offers)."""
+
+
+def persistent_tail(m: int, block_m: int, block_n: int) -> int:
+    """`_bi_matmul_persistent_kernel`'s TAIL for a one-part launch over m rows in BLOCK_M x BLOCK_N tiles: the rows of
+    the box that loads the last row tile where m leaves 1-64 rows there (a power of two, at least 16: the swapped
+    dot's narrowest side) and the tile fits TAIL_STORE_ELEMENTS, else 0 (a full box loads it).
+
+    Only for decode steps (at most 512 rows), and with 256-wide tiles only for tails of at most 16 rows: the tail
+    variant gives up Triton's pipelining across tiles (`flatten`), and that cost more than the tail saved at a
+    prefill's 2,064 rows (8B gate_up 608 -> 661 us) and at 160 rows in 128 x 256 tiles (8B lm_head 516 -> 549),
+    while at 257 rows it saved 8B lm_head 795 -> 671 us and 128 x 128 tiles gained at every row count of 129-320
+    (8B gate_up 272 rows 194 -> 131; H100, CUDA-graph replays, session 46)."""
+    rest = m % block_m
+    tail = max(16, triton.next_power_of_2(rest)) if rest else 0
+    if block_m != 128 or m > 512 or not 0 < rest <= (16 if block_n > 128 else 64) or tail * block_n > TAIL_STORE_ELEMENTS:
+        return 0
+    return tail
+
+
+def persistent_programs(m: int, n: int, block_m: int, block_n: int, group_m: int, sms: int, tail: int) -> int:
+    """`_bi_matmul_persistent_kernel`'s NUM_SMS (the tile stride; the grid is at most this many programs): the
+    SM count, except with a row tail and more tiles than SMs: then the largest count up to it that shares no
+    factor with the row tiles of a group (`tile_of` takes a column's row tiles one after another), so that a
+    program's tiles walk through the row tiles instead of landing in one (at 272 rows, 3 row tiles of 128 on
+    132 SMs, a third of the programs would get only tail tiles and the others three full tiles)."""
+    rows = -(-m // block_m)
+    if not tail or rows * -(-n // block_n) <= sms:
+        return sms
+    period = min(rows, group_m)
+    programs = sms
+    while math.gcd(programs, period) != 1:
+        programs -= 1
+    return programs
 
 
 @functools.cache
@@ -547,11 +623,13 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
                                                    **{key: v for key, v in tiles.items() if key != "GROUP_M"})
             return c.reshape(*lead, n)
         m2 = bm - first  # rows of a two-part tile's second part; 0 for one-part tiles
-        a2_d, c2_d = ((TensorDescriptor.from_tensor(a, [m2, BLOCK_K]), TensorDescriptor.from_tensor(c, [m2, bn]))
-                      if m2 else (None, None))
-        sms = _num_sms(x.device)
-        _bi_matmul_persistent_kernel[(min(sms, grid[0]),)](
-            a_d, a2_d, w_d, c_d, c2_d, m, n, k, NUM_SMS=sms, **{**tiles, "BLOCK_M": first}, BLOCK_M2=m2)
+        tail = 0 if m2 else persistent_tail(m, bm, bn)
+        a2_d, c2_d = ((TensorDescriptor.from_tensor(a, [m2 or tail, BLOCK_K]),
+                       TensorDescriptor.from_tensor(c, [m2 or tail, bn])) if m2 or tail else (None, None))
+        programs = persistent_programs(m, n, bm, bn, gm, _num_sms(x.device), tail)
+        _bi_matmul_persistent_kernel[(min(programs, grid[0]),)](
+            a_d, a2_d, w_d, c_d, c2_d, m, n, k, NUM_SMS=programs, **{**tiles, "BLOCK_M": first}, BLOCK_M2=m2,
+            TAIL=tail)
         return c.reshape(*lead, n)
     if config.startswith(("ws_", "wsx_")):
         from kernels import gemm_ws

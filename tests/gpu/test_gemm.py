@@ -53,6 +53,23 @@ def test_warp_specialized_row_tails_are_vllms_bits(vllm_linear, config):
             assert torch.equal(matmul(x, w, config), vllm_linear(x, w)), (m, n, k, config)
 
 
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("pers_m128_")])
+def test_persistent_row_tails_are_vllms_bits(vllm_linear, config):
+    """Row counts that leave 1-64 rows in the last 128-row tile: the persistent kernel computes that tile from a
+    16-64-row box with the operands swapped (`persistent_tail`), and spreads its tiles over a program count that
+    shares no factor with the row tiles (`persistent_programs`: more tiles than SMs at 12288 and 24576 wide); every
+    stored row is still vLLM's bits, and the rows of a full tile and of the tail agree with a call on them alone."""
+    from kernels.gemm import persistent_tail
+
+    for n, k in [(12288, 2048), (24576, 1024), (1000, 1000)]:
+        w = rand(n, k, seed=12)
+        for m in (129, 136, 160, 192, 257, 272, 288, 300, 320, 2064, 2100):
+            x = rand(m, k, seed=m)
+            y = matmul(x, w, config)
+            assert torch.equal(y, vllm_linear(x, w)), (m, n, k, config, persistent_tail(m, 128, CONFIGS[config][1]))
+        assert torch.equal(matmul(x[-36:], w, config), y[-36:])
+
+
 def test_lm_head_rows_alone_equal_rows_in_a_batch(vllm_linear):
     """A row's logits do not depend on how many rows share the call (the lm_head chunking)."""
     w = rand(151936, 2048, seed=2)
