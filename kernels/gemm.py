@@ -525,7 +525,8 @@ def persistent_tail(m: int, block_m: int, block_n: int) -> int:
     (8B gate_up 272 rows 194 -> 131; H100, CUDA-graph replays, session 46)."""
     rest = m % block_m
     tail = max(16, triton.next_power_of_2(rest)) if rest else 0
-    if block_m != 128 or m > 512 or not 0 < rest <= (16 if block_n > 128 else 64) or tail * block_n > TAIL_STORE_ELEMENTS:
+    longest = 16 if block_n > 128 else 64
+    if block_m != 128 or m > 512 or not 0 < rest <= longest or tail * block_n > TAIL_STORE_ELEMENTS:
         return 0
     return tail
 

@@ -1,0 +1,152 @@
+"""Where a rollout's wall time goes, step by step: each vLLM engine step's wall time and the host time of its
+model call and its sampling, for this project's engine or plain vLLM, with an optional cProfile of one rollout.
+
+    VLLM_BATCH_INVARIANT=1 python compare/rollout_steps.py --model DIR --cells 128x16,129x16 [--cprofile 129x16]
+    VLLM_BATCH_INVARIANT=0 python compare/rollout_steps.py --engine plain --model DIR --cells 128x16,129x16
+
+A cell is BATCHxPROMPT (random prompt ids, --new-tokens each, as compare/bench_rollout.py times them). Per cell:
+the rollout's seconds (--repeats runs after one warm-up), a prefill alone (one new token), and for the last run
+the engine's steps: the first steps' wall times (the prefill, then the first decode steps), the median of the
+rest, and the host time of `execute_model` (inputs prepared, the forward launched: a CUDA-graph replay, or every
+kernel launched one by one when the step is above the largest graph) and of `sample_tokens` (the logits, the
+sampler). With vLLM's asynchronous scheduling the host prepares step N + 1 while the GPU runs step N, so a step
+whose host time exceeds its GPU time shows up here and not in compare/profile_decode.py's kernel time (session 46:
+an 8B prefill of 2,064 tokens, one above the largest graph, took 67 ms of host time against 53 ms of kernels).
+`--cprofile CELL` adds a cProfile of one rollout of that cell (`--cprofile-new 1`: of its prefill alone).
+Prints one JSON line per cell, then the profiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_cells(text: str) -> list[tuple[int, int]]:
+    """'128x16,129x16' -> [(128, 16), (129, 16)] (batch, prompt tokens)."""
+    try:
+        cells = [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
+    except ValueError:
+        cells = []
+    if not cells or any(len(c) != 2 or min(c) < 1 for c in cells):
+        raise SystemExit(f"error: cells {text!r}: expected BATCHxPROMPT[,...] of positive integers, e.g. 128x16")
+    return cells
+
+
+def summarize(events: list[tuple]) -> dict:
+    """One rollout's step log -> its summary. Events: ("sched", t, tokens), ("step" | "exec" | "sample", t0, t1)."""
+    def ms(kind: str) -> list[float]:
+        return [1e3 * (e[2] - e[1]) for e in events if e[0] == kind]
+
+    steps, execs, samples = ms("step"), ms("exec"), ms("sample")
+    rest = steps[4:]
+    return {"steps": len(steps), "tokens_first": [e[2] for e in events if e[0] == "sched"][:3],
+            "step_ms_first": [round(s, 2) for s in steps[:4]],
+            "step_ms_median_rest": round(statistics.median(rest), 3) if rest else None,
+            "step_ms_sum": round(sum(steps), 1),
+            "exec_ms_first": [round(s, 2) for s in execs[:2]],
+            "exec_ms_median": round(statistics.median(execs), 3) if execs else None,
+            "sample_ms_median": round(statistics.median(samples), 3) if samples else None}
+
+
+def instrument(llm, log: list) -> None:
+    """Record each engine step, its scheduled tokens and its model call's and sampling's host times in `log`
+    (vLLM 0.26's in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0, as both engines here run)."""
+    core = llm.llm_engine.engine_core.engine_core
+    sched, ex = core.scheduler, core.model_executor
+    schedule, step, execute, sample = sched.schedule, core.step_fn, ex.execute_model, ex.sample_tokens
+
+    def timed(kind, fn):
+        def run(*args, **kw):
+            t = time.perf_counter()
+            out = fn(*args, **kw)
+            log.append((kind, t, time.perf_counter()))
+            return out
+        return run
+
+    def scheduled(*args, **kw):
+        out = schedule(*args, **kw)
+        log.append(("sched", time.perf_counter(), out.total_num_scheduled_tokens))
+        return out
+
+    sched.schedule = scheduled
+    core.step_fn = timed("step", step)
+    ex.execute_model, ex.sample_tokens = timed("exec", execute), timed("sample", sample)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--engine", default="ours", help="ours[:MODE][@SIZES] or plain (compare/bench_rollout.py's names)")
+    p.add_argument("--cells", required=True, help="BATCHxPROMPT,... e.g. 128x16,129x16")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="the engine's max_model_len (SPIRL's engine captures graphs above 512 tokens only up to it)")
+    p.add_argument("--cprofile", default="", help="cells to profile one rollout of (cProfile), e.g. 129x16")
+    p.add_argument("--cprofile-new", type=int, default=0,
+                   help="new tokens of the profiled rollout (default --new-tokens)")
+    p.add_argument("--top", type=int, default=40)
+    args = p.parse_args(argv)
+    cells, profiled = parse_cells(args.cells), parse_cells(args.cprofile) if args.cprofile else []
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from compare.bench_rollout import build_llm
+
+    t0 = time.perf_counter()
+    llm = build_llm(args.engine, args.model, 0.85, args.max_model_len)
+    print(json.dumps({"engine": args.engine, "start_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    log: list = []
+    instrument(llm, log)
+    g = torch.Generator().manual_seed(0)
+
+    def run(batch: int, prompt: int, new: int, prof: cProfile.Profile | None = None) -> tuple[float, list]:
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (prompt,), generator=g).tolist())
+                   for _ in range(batch)]
+        params = SamplingParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, logprobs=0, seed=1)
+        log.clear()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        if prof:
+            prof.enable()
+        llm.generate(prompts, params, use_tqdm=False)
+        if prof:
+            prof.disable()
+        return time.perf_counter() - t, list(log)
+
+    run(8, 64, 16)  # warm-up
+    for batch, prompt in cells:
+        run(batch, prompt, min(args.new_tokens, 16))  # this cell's prefill shapes compiled
+        runs = [run(batch, prompt, args.new_tokens) for _ in range(args.repeats)]
+        prefill = [run(batch, prompt, 1)[0] for _ in range(2)]
+        print(json.dumps({"engine": args.engine, "batch": batch, "prompt": prompt, "new_tokens": args.new_tokens,
+                          "seconds_each": [round(t, 4) for t, _ in runs], "prefill_s": [round(t, 4) for t in prefill],
+                          "last_run": summarize(runs[-1][1])}), flush=True)
+    for batch, prompt in profiled:
+        new = args.cprofile_new or args.new_tokens
+        run(batch, prompt, new)
+        prof = cProfile.Profile()
+        dt, events = run(batch, prompt, new, prof)
+        print(f"\n== cProfile {args.engine} {batch}x{prompt}, {new} new tokens: {dt:.3f} s (profiled), "
+              f"{json.dumps(summarize(events))}")
+        for order in ("tottime", "cumtime"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(order).print_stats(args.top)
+            print("\n".join(line for line in out.getvalue().splitlines() if line.strip()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""compare/rollout_steps.py's pure parts: the cell list and one rollout's step summary."""
+
+import pytest
+
+from compare.rollout_steps import parse_cells, summarize
+
+
+def test_parse_cells_reads_batch_x_prompt_and_refuses_anything_else():
+    assert parse_cells("128x16,129x16") == [(128, 16), (129, 16)]
+    for bad in ("", "128", "128x0", "axb", "1x2x3"):
+        with pytest.raises(SystemExit, match="BATCHxPROMPT"):
+            parse_cells(bad)
+
+
+def test_summarize_splits_first_steps_from_the_median_of_the_rest():
+    events = [("sched", 0.0, 2048), ("sched", 0.0, 128)]
+    events += [("step", i, i + dt) for i, dt in enumerate([0.080, 0.010, 0.008, 0.007, 0.006, 0.009, 0.007])]
+    events += [("exec", 0.0, 0.070), ("exec", 1.0, 1.002), ("exec", 2.0, 1.001 + 1.0)]
+    events += [("sample", 0.0, 0.003)]
+    s = summarize(events)
+    assert s["steps"] == 7 and s["tokens_first"] == [2048, 128]
+    assert s["step_ms_first"] == [80.0, 10.0, 8.0, 7.0]
+    assert s["step_ms_median_rest"] == 7.0          # median of 6, 9, 7 ms
+    assert s["step_ms_sum"] == 127.0
+    assert s["exec_ms_first"] == [70.0, 2.0] and s["exec_ms_median"] == 2.0
+    assert s["sample_ms_median"] == 3.0
+
+
+def test_summarize_of_an_empty_log():
+    s = summarize([])
+    assert s["steps"] == 0 and s["step_ms_median_rest"] is None and s["exec_ms_median"] is None
