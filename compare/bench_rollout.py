@@ -90,6 +90,25 @@ def build_llm(engine_name: str, model: str, gpu_memory_utilization: float, max_m
 # -- the worker (one engine, in its own process, on the GPU host) ---------------------------------------
 
 
+PROMPT_IDS = 151643
+"""Random prompt ids are drawn below this: Qwen3's first special token, so no prompt holds a control token."""
+
+
+def rollout_inputs(batch: int, prompt_len: int, new: int, generator, seed: int = 1) -> tuple[list, object]:
+    """The rollout the benchmarks time (this file, compare/profile_decode.py, compare/rollout_steps.py): `batch`
+    prompts of `prompt_len` random ids drawn from `generator` (a torch.Generator), and vLLM SamplingParams that
+    generate exactly `new` tokens each (min = max, EOS ignored) at T = 1 with the sampled tokens' logprobs (an RL
+    trainer needs them either way), sampling seed `seed`."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, PROMPT_IDS, (prompt_len,), generator=generator).tolist())
+               for _ in range(batch)]
+    return prompts, SamplingParams(n=1, max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, logprobs=0,
+                                   seed=seed)
+
+
 def prompt_seed(cell: sw.Cell, role: str, repeat: int) -> int:
     """The prompts' seed of one run of a cell: the same in every engine's process, different for every
     (cell, role, repeat), so no prompt is ever seen twice by one engine (plain's prefix cache)."""
@@ -162,15 +181,8 @@ def worker(args) -> None:
 
     with TritonBuilds() as counter:  # after the engine: vLLM chains its JIT monitor in its warm-up
         builds = (lambda: counter.count) if counter.available else (lambda: None)
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         def run(batch: int, prompt_len: int, new: int, seed: int) -> float:
-            g = torch.Generator().manual_seed(seed)
-            prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (prompt_len,), generator=g).tolist())
-                       for _ in range(batch)]
-            params = SamplingParams(n=1, max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0,
-                                    logprobs=0, seed=1)
+            prompts, params = rollout_inputs(batch, prompt_len, new, torch.Generator().manual_seed(seed))
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             dt = time.perf_counter() - t

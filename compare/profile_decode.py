@@ -25,10 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from compare.bench_rollout import build_llm
+    from compare.bench_rollout import build_llm, rollout_inputs
     from spirl.engines.vllm_engine import VLLMEngineConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -45,15 +42,11 @@ def main(argv=None) -> int:
     llm = build_llm(engine, args.model, 0.8, args.prompt_len + args.new_tokens + 16)
     g = torch.Generator().manual_seed(0)
 
-    def fresh(batch: int) -> list:  # new prompts each time: plain vLLM's prefix cache must not serve the prefill
-        return [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (args.prompt_len,), generator=g).tolist())
-                for _ in range(batch)]
     for batch in map(int, args.batches.split(",")):
         for phase, new in (("prefill", 1), ("rollout", args.new_tokens)):
-            params = SamplingParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, logprobs=0,
-                                    seed=0)
-            llm.generate(fresh(batch), params, use_tqdm=False)  # warm-up (and any Triton JIT for this shape)
-            prompts = fresh(batch)
+            # new prompts each time: plain vLLM's prefix cache must not serve the prefill
+            llm.generate(*rollout_inputs(batch, args.prompt_len, new, g, seed=0), use_tqdm=False)  # warm-up, JIT
+            prompts, params = rollout_inputs(batch, args.prompt_len, new, g, seed=0)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

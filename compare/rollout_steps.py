@@ -100,10 +100,8 @@ def main(argv=None) -> int:
     cells, profiled = parse_cells(args.cells), parse_cells(args.cprofile) if args.cprofile else []
 
     import torch
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    from compare.bench_rollout import build_llm
+    from compare.bench_rollout import build_llm, rollout_inputs
 
     t0 = time.perf_counter()
     llm = build_llm(args.engine, args.model, 0.85, args.max_model_len)
@@ -113,9 +111,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
 
     def run(batch: int, prompt: int, new: int, prof: cProfile.Profile | None = None) -> tuple[float, list]:
-        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 151643, (prompt,), generator=g).tolist())
-                   for _ in range(batch)]
-        params = SamplingParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, logprobs=0, seed=1)
+        prompts, params = rollout_inputs(batch, prompt, new, g)
         log.clear()
         torch.cuda.synchronize()
         t = time.perf_counter()

@@ -29,3 +29,29 @@ def test_summarize_splits_first_steps_from_the_median_of_the_rest():
 def test_summarize_of_an_empty_log():
     s = summarize([])
     assert s["steps"] == 0 and s["step_ms_median_rest"] is None and s["exec_ms_median"] is None
+
+
+def test_rollout_inputs_draws_fresh_prompts_and_exact_length_params(monkeypatch):
+    """compare/bench_rollout.rollout_inputs (shared by the three rollout benchmarks), with stand-ins for vLLM's
+    SamplingParams and TokensPrompt (vLLM is not installed on the CPU machines)."""
+    import sys
+    import types
+
+    import torch
+
+    from compare.bench_rollout import PROMPT_IDS, rollout_inputs
+
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: kw
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    g = torch.Generator().manual_seed(0)
+    prompts, params = rollout_inputs(3, 5, 7, g)
+    again, _ = rollout_inputs(3, 5, 7, g)
+    ids = [p["prompt_token_ids"] for p in prompts]
+    assert len(ids) == 3 and all(len(i) == 5 and max(i) < PROMPT_IDS for i in ids)
+    assert ids != [p["prompt_token_ids"] for p in again]  # the generator moves on: plain vLLM's prefix cache misses
+    assert params == {"n": 1, "max_tokens": 7, "min_tokens": 7, "ignore_eos": True, "temperature": 1.0,
+                      "logprobs": 0, "seed": 1}
