@@ -90,21 +90,20 @@ def build_llm(engine_name: str, model: str, gpu_memory_utilization: float, max_m
 # -- the worker (one engine, in its own process, on the GPU host) ---------------------------------------
 
 
-PROMPT_IDS = 151643
-"""Random prompt ids are drawn below this: Qwen3's first special token, so no prompt holds a control token."""
-
-
 def rollout_inputs(batch: int, prompt_len: int, new: int, generator, seed: int = 1) -> tuple[list, object]:
     """The rollout the benchmarks time (this file, compare/profile_decode.py, compare/rollout_steps.py): `batch`
     prompts of `prompt_len` random ids drawn from `generator` (a torch.Generator), and vLLM SamplingParams that
     generate exactly `new` tokens each (min = max, EOS ignored) at T = 1 with the sampled tokens' logprobs (an RL
-    trainer needs them either way), sampling seed `seed`."""
+    trainer needs them either way), sampling seed `seed`. The ids are ordinary BPE tokens (below the first special
+    token), so no prompt holds a control token."""
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, PROMPT_IDS, (prompt_len,), generator=generator).tolist())
-               for _ in range(batch)]
+    from torchtitan_compat.tokenizer import NUM_BPE_TOKENS
+
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, NUM_BPE_TOKENS, (prompt_len,), generator=generator)
+                            .tolist()) for _ in range(batch)]
     return prompts, SamplingParams(n=1, max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, logprobs=0,
                                    seed=seed)
 

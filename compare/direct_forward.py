@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from compare.harness import OPS, HarnessConfig, ParityHarness  # noqa: E402
 from compare.table import format_rows  # noqa: E402
+from torchtitan_compat.tokenizer import NUM_BPE_TOKENS  # noqa: E402
 
 log = logging.getLogger("direct_forward")
 
@@ -68,7 +69,7 @@ def filler_prompts(count: int, seed: int) -> list[list[int]]:
     """Random prompts of varied lengths, batched beside the user's to exercise batch invariance."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 600, (count,), generator=g).tolist()
-    return [torch.randint(0, 151643, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(0, NUM_BPE_TOKENS, (n,), generator=g).tolist() for n in lengths]
 
 
 def main(argv=None) -> int:

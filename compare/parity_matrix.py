@@ -30,11 +30,12 @@ import torch  # noqa: E402
 
 from compare.harness import OPS, HarnessConfig, ParityHarness  # noqa: E402
 from spirl.numerics.parity import compare_logprobs  # noqa: E402
+from torchtitan_compat.tokenizer import NUM_BPE_TOKENS  # noqa: E402
 
 
 def random_prompts(lengths, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 151643, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(0, NUM_BPE_TOKENS, (n,), generator=g).tolist() for n in lengths]
 
 
 def spread(count: int, longest: int, seed: int) -> list[int]:

@@ -463,9 +463,7 @@ def compile_key(m: int, n: int, k: int) -> tuple:
     config = pick_config(m, n, k)
     key = (n, k, config, m == 1, m % 16 == 0)
     if config.startswith("pers_"):
-        bm, bn, gm = CONFIGS[config][:3]
-        tail = persistent_tail(m, bm, bn)
-        return key + (tail, persistent_programs(m, n, bm, bn, gm, _H100_SMS, tail))
+        return key + persistent_launch(m, n, config, _H100_SMS)
     if not config.startswith(("ws_", "wsx_")):
         return key
     from kernels import gemm_ws
@@ -489,13 +487,13 @@ def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
 
     Measured (H100, `bench_gemm.py --graph`, all bitwise vLLM's; docs/rollout-profile.md, sessions 44-45): the
     pointer kernel moved the same bytes as cuBLAS with 4x its instructions (ncu, 8B o at 160 rows), which a TMA
-    loader warp removes (kernels/gemm_ws.py); with the last row tile loading only its own rows ("Row tails"
-    there), per 8B layer at 136 rows qkv + o + down 89.0 us against 101.7 with session 44's picks and cuBLAS's
-    84.1 (down 44.9 against 46.5); at 1.7B within 4 % of the best of the four tiles at 128-512 rows except qkv at 264-272 rows, where the
-    K bound keeps the persistent kernel (15.9-16.4 us against 64x256's 15.2-15.5). Kept elsewhere: the pointer
-    kernel's one-wave tiles at up to 128 rows and K < 8192 (1.7B o/down at 128 rows 7.9/18.3 us against 9.2/19.4;
-    8B down at 128 rows, K = 12,288, went to 64x128 warp-specialized tiles: 43.9 against 48.2); the persistent
-    kernel at K = 2048 beyond one wave (6-15 % faster than 64x256 tiles at 1.7B qkv 320-512 rows)."""
+    loader warp removes (kernels/gemm_ws.py); with the last row tile loading only its own rows ("Row tails" there),
+    per 8B layer at 136 rows qkv + o + down 89.0 us against 101.7 with session 44's picks and cuBLAS's 84.1 (down
+    44.9 against 46.5); at 1.7B within 4 % of the best of the four tiles at 128-512 rows except qkv at 264-272 rows,
+    where the K bound keeps the persistent kernel (15.9-16.4 us against 64x256's 15.2-15.5). Kept elsewhere: the
+    pointer kernel's one-wave tiles at up to 128 rows and K < 8192 (1.7B o/down at 128 rows 7.9/18.3 us against
+    9.2/19.4; 8B down at 128 rows, K = 12,288, went to 64x128 warp-specialized tiles: 43.9 against 48.2); the
+    persistent kernel at K = 2048 beyond one wave (6-15 % faster than 64x256 tiles at 1.7B qkv 320-512 rows)."""
     if m <= 128 and k < 8192 and triton.cdiv(m, 64) * triton.cdiv(n, 64) <= _H100_SMS:
         return None  # the pointer kernel's one wave of 64x32 or 64x64 tiles (below) is kept
     best, most = None, 0
@@ -545,6 +543,14 @@ def persistent_programs(m: int, n: int, block_m: int, block_n: int, group_m: int
     while math.gcd(programs, period) != 1:
         programs -= 1
     return programs
+
+
+def persistent_launch(m: int, n: int, config: str, sms: int) -> tuple[int, int]:
+    """(TAIL, NUM_SMS) of `_bi_matmul_persistent_kernel` for `config` at m rows of an N-wide output on `sms` SMs:
+    `persistent_tail` (0 for two-part tiles, whose BLOCK_M is not 128) and `persistent_programs`."""
+    bm, bn, gm = CONFIGS[config][:3]
+    tail = persistent_tail(m, bm, bn)
+    return tail, persistent_programs(m, n, bm, bn, gm, sms, tail)
 
 
 @functools.cache
@@ -624,10 +630,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
                                                    **{key: v for key, v in tiles.items() if key != "GROUP_M"})
             return c.reshape(*lead, n)
         m2 = bm - first  # rows of a two-part tile's second part; 0 for one-part tiles
-        tail = 0 if m2 else persistent_tail(m, bm, bn)
+        tail, programs = persistent_launch(m, n, config, _num_sms(x.device))
         a2_d, c2_d = ((TensorDescriptor.from_tensor(a, [m2 or tail, BLOCK_K]),
                        TensorDescriptor.from_tensor(c, [m2 or tail, bn])) if m2 or tail else (None, None))
-        programs = persistent_programs(m, n, bm, bn, gm, _num_sms(x.device), tail)
         _bi_matmul_persistent_kernel[(min(programs, grid[0]),)](
             a_d, a2_d, w_d, c_d, c2_d, m, n, k, NUM_SMS=programs, **{**tiles, "BLOCK_M": first}, BLOCK_M2=m2,
             TAIL=tail)

@@ -39,7 +39,8 @@ def test_rollout_inputs_draws_fresh_prompts_and_exact_length_params(monkeypatch)
 
     import torch
 
-    from compare.bench_rollout import PROMPT_IDS, rollout_inputs
+    from compare.bench_rollout import rollout_inputs
+    from torchtitan_compat.tokenizer import NUM_BPE_TOKENS
 
     vllm = types.ModuleType("vllm")
     vllm.SamplingParams = lambda **kw: kw
@@ -51,7 +52,7 @@ def test_rollout_inputs_draws_fresh_prompts_and_exact_length_params(monkeypatch)
     prompts, params = rollout_inputs(3, 5, 7, g)
     again, _ = rollout_inputs(3, 5, 7, g)
     ids = [p["prompt_token_ids"] for p in prompts]
-    assert len(ids) == 3 and all(len(i) == 5 and max(i) < PROMPT_IDS for i in ids)
+    assert len(ids) == 3 and all(len(i) == 5 and max(i) < NUM_BPE_TOKENS for i in ids)
     assert ids != [p["prompt_token_ids"] for p in again]  # the generator moves on: plain vLLM's prefix cache misses
     assert params == {"n": 1, "max_tokens": 7, "min_tokens": 7, "ignore_eos": True, "temperature": 1.0,
                       "logprobs": 0, "seed": 1}
