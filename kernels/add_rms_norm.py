@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch
+
 VLLM_NORM_BLOCK = 1024
 """`rms_norm_batch_invariant`'s BLOCK_SIZE: the reduction's block shape, hence its bits."""
 
@@ -75,6 +77,7 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     rows, n = x.shape
     out = torch.empty_like(residual)
     if rows:
-        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0),
-                                      n, eps, BLOCK_SIZE=VLLM_NORM_BLOCK)
+        launch(_add_rms_norm_kernel, (rows, 1, 1),
+               (x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n, eps),
+               {"BLOCK_SIZE": VLLM_NORM_BLOCK})
     return out

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemm_tiles import BLOCK_K, tile_of
+from kernels.launch import cdiv, launch, next_power_of_2
 
 _log = logging.getLogger(__name__)
 
@@ -429,22 +430,22 @@ def pick_config(m: int, n: int, k: int) -> str:
             return ws
         if n > 8192:
             if 128 < m <= CONFIGS["wsx_n256_s4"][0]:  # swapped warp-specialized tiles over every row at once
-                if _H100_SMS // 2 <= triton.cdiv(n, 256) <= _H100_SMS:  # one wave of 256 weight rows, half the SMs
+                if _H100_SMS // 2 <= cdiv(n, 256) <= _H100_SMS:  # one wave of 256 weight rows, half the SMs
                     return "wsx_n256_s4"
-                if triton.cdiv(n, 128) <= _H100_SMS:
+                if cdiv(n, 128) <= _H100_SMS:
                     return "wsx_n128_s5"
             if 128 < m <= 144:
-                return "p2_m144_n256" if triton.cdiv(n, 256) >= 96 else "p2_m144_n128"
-            tiles = triton.cdiv(m, 128) * triton.cdiv(n, 256)
+                return "p2_m144_n256" if cdiv(n, 256) >= 96 else "p2_m144_n128"
+            tiles = cdiv(m, 128) * cdiv(n, 256)
             if m <= 128:
                 return "pers_m128_n256" if tiles >= 96 else "tma_m128_n128"
             if _H100_SMS < tiles <= _H100_SMS * 5 // 4:  # a second wave of at most a quarter of the SMs
                 return "sk_m128_n256"
-            if m <= 320 and triton.cdiv(m, 128) * triton.cdiv(n, 128) <= 8 * _H100_SMS:
+            if m <= 320 and cdiv(m, 128) * cdiv(n, 128) <= 8 * _H100_SMS:
                 return "pers_m128_n128"  # a last row tile of 1-64 rows is loaded alone (persistent_tail)
             return "pers_m128_n256"
         if m <= 128:  # here 64x64 tiles make one wave: 64x32 tiles where those do too, else 8 stages deep
-            return "dec_m64_n32" if triton.cdiv(m, 64) * triton.cdiv(n, 32) <= _H100_SMS else "dec_m64_n64_s8"
+            return "dec_m64_n32" if cdiv(m, 64) * cdiv(n, 32) <= _H100_SMS else "dec_m64_n64_s8"
         return "pers_m128_n128" if m <= 256 or n <= 4096 else "pers_m128_n256"  # no one-wave warp-specialized tile
     if m < 1024:
         return "m128_n128_s5" if n <= 2048 else "vllm"
@@ -494,12 +495,12 @@ def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
     pointer kernel's one-wave tiles at up to 128 rows and K < 8192 (1.7B o/down at 128 rows 7.9/18.3 us against
     9.2/19.4; 8B down at 128 rows, K = 12,288, went to 64x128 warp-specialized tiles: 43.9 against 48.2); the
     persistent kernel at K = 2048 beyond one wave (6-15 % faster than 64x256 tiles at 1.7B qkv 320-512 rows)."""
-    if m <= 128 and k < 8192 and triton.cdiv(m, 64) * triton.cdiv(n, 64) <= _H100_SMS:
+    if m <= 128 and k < 8192 and cdiv(m, 64) * cdiv(n, 64) <= _H100_SMS:
         return None  # the pointer kernel's one wave of 64x32 or 64x64 tiles (below) is kept
     best, most = None, 0
     for name in _WS_TILES:
         bm, bn = CONFIGS[name][:2]
-        programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        programs = cdiv(m, bm) * cdiv(n, bn)
         if most < programs <= _H100_SMS and (bm * bn < 128 * 128 or k >= 2560):
             best, most = name, programs
     return best
@@ -522,7 +523,7 @@ def persistent_tail(m: int, block_m: int, block_n: int) -> int:
     while at 257 rows it saved 8B lm_head 795 -> 671 us and 128 x 128 tiles gained at every row count of 129-320
     (8B gate_up 272 rows 194 -> 131; H100, CUDA-graph replays, session 46)."""
     rest = m % block_m
-    tail = max(16, triton.next_power_of_2(rest)) if rest else 0
+    tail = max(16, next_power_of_2(rest)) if rest else 0
     longest = 16 if block_n > 128 else 64
     if block_m != 128 or m > 512 or not 0 < rest <= longest or tail * block_n > TAIL_STORE_ELEMENTS:
         return 0
@@ -564,7 +565,7 @@ def streamk_per_row(m: int, n: int, bm: int, bn: int, sms: int) -> int:
     one per column tile (each program's run at least one tile long). Where that leaves one program per row
     tile (more row tiles than SMs: long prefills), no tile is cut and nothing waits, so the launch may
     have more programs than SMs."""
-    return max(1, min(sms // triton.cdiv(m, bm), triton.cdiv(n, bn)))
+    return max(1, min(sms // cdiv(m, bm), cdiv(n, bn)))
 
 
 _STREAMK_FLAGS: dict[torch.device, torch.Tensor] = {}
@@ -610,8 +611,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
         return c.reshape(*lead, n)
     config = config or pick_config(m, n, k)
     bm, bn, gm, warps, stages = CONFIGS[config]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=gm, num_warps=warps, num_stages=stages)
+    grid = (cdiv(m, bm) * cdiv(n, bn), 1, 1)
+    tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=gm)
     first = 1 << (bm.bit_length() - 1)  # a two-part row tile's first part (144 -> 128 + 16); else bm
     flags = _streamk_flags(x.device) if config.startswith("sk_") else None
     if (config.startswith(("pers_", "tma_", "p2_")) or flags is not None) and _tma_ok(a, w, c):
@@ -620,22 +621,23 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
         a_d, w_d, c_d = (TensorDescriptor.from_tensor(a, [first, BLOCK_K]),
                          TensorDescriptor.from_tensor(w, [bn, BLOCK_K]), TensorDescriptor.from_tensor(c, [first, bn]))
         if config.startswith("tma_"):
-            _bi_matmul_tma_kernel[grid](a_d, w_d, c_d, m, n, k, **tiles)
+            launch(_bi_matmul_tma_kernel, grid, (a_d, w_d, c_d, m, n, k), tiles, num_warps=warps,
+                   num_stages=stages)
             return c.reshape(*lead, n)
         if flags is not None:
             per_row = streamk_per_row(m, n, bm, bn, _num_sms(x.device))
-            programs = triton.cdiv(m, bm) * per_row
+            programs = cdiv(m, bm) * per_row
             part = torch.empty((programs, bm, bn), device=x.device, dtype=torch.float32)
-            _bi_matmul_streamk_kernel[(programs,)](a_d, w_d, c_d, part, flags, m, n, k, per_row,
-                                                   **{key: v for key, v in tiles.items() if key != "GROUP_M"})
+            launch(_bi_matmul_streamk_kernel, (programs, 1, 1), (a_d, w_d, c_d, part, flags, m, n, k, per_row),
+                   dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K), num_warps=warps, num_stages=stages)
             return c.reshape(*lead, n)
         m2 = bm - first  # rows of a two-part tile's second part; 0 for one-part tiles
         tail, programs = persistent_launch(m, n, config, _num_sms(x.device))
         a2_d, c2_d = ((TensorDescriptor.from_tensor(a, [m2 or tail, BLOCK_K]),
                        TensorDescriptor.from_tensor(c, [m2 or tail, bn])) if m2 or tail else (None, None))
-        _bi_matmul_persistent_kernel[(min(programs, grid[0]),)](
-            a_d, a2_d, w_d, c_d, c2_d, m, n, k, NUM_SMS=programs, **{**tiles, "BLOCK_M": first}, BLOCK_M2=m2,
-            TAIL=tail)
+        launch(_bi_matmul_persistent_kernel, (min(programs, grid[0]), 1, 1), (a_d, a2_d, w_d, c_d, c2_d, m, n, k),
+               {**tiles, "BLOCK_M": first, "NUM_SMS": programs, "BLOCK_M2": m2, "TAIL": tail}, num_warps=warps,
+               num_stages=stages)
         return c.reshape(*lead, n)
     if config.startswith(("ws_", "wsx_")):
         from kernels import gemm_ws
@@ -649,15 +651,19 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
         if config.startswith("wsx_"):  # the pointer kernel's masked 64-row tiles instead (the same bits)
             bm = first = 64
             bn = min(bn, 128)
-            grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-            tiles.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
-        tiles["num_stages"] = min(stages, 4)  # without TMA; 4 stages fit any GPU's shared memory
+            grid = (cdiv(m, bm) * cdiv(n, bn), 1, 1)
+            tiles.update(BLOCK_M=bm, BLOCK_N=bn)
+            warps = 4
+        stages = min(stages, 4)  # without TMA; 4 stages fit any GPU's shared memory
     ptrs = (a, w, c, m, n, k, a.stride(0), a.stride(1), w.stride(1), w.stride(0), c.stride(0), c.stride(1))
     if config.startswith("swp_"):
-        _bi_matmul_swap_kernel[grid](*ptrs, **tiles)
+        launch(_bi_matmul_swap_kernel, grid, ptrs, tiles, num_warps=warps, num_stages=stages)
     elif first != bm:  # a two-part tile without TMA: the pointer kernel's masked tiles of its first part
-        grid = (triton.cdiv(m, first) * triton.cdiv(n, bn),)
-        _bi_matmul_kernel[grid](*ptrs, MASK_M=True, **{**tiles, "BLOCK_M": first})
+        grid = (cdiv(m, first) * cdiv(n, bn), 1, 1)
+        launch(_bi_matmul_kernel, grid, ptrs, {**tiles, "BLOCK_M": first, "MASK_M": True}, num_warps=warps,
+               num_stages=stages)
     else:
-        _bi_matmul_kernel[grid](*ptrs, MASK_M=config.startswith(("dec_", "sk_", "ws_", "wsx_")), **tiles)
+        launch(_bi_matmul_kernel, grid, ptrs,
+               {**tiles, "MASK_M": config.startswith(("dec_", "sk_", "ws_", "wsx_"))}, num_warps=warps,
+               num_stages=stages)
     return c.reshape(*lead, n)

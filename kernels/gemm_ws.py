@@ -50,6 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from kernels.gemm_tiles import BLOCK_K, tile_of
+from kernels.launch import cdiv, next_power_of_2
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 """TMA global -> shared load: `async_copy_global_to_shared` in Triton 3.6, renamed `async_load` later."""
@@ -237,8 +238,8 @@ def token_parts(rows: int) -> tuple[int, int]:
     """(T1, T2) for a swapped launch over `rows` rows of x: power-of-two parts covering them, the first at least 16
     and at most 128, the second at least 8 (wgmma's narrowest N; module doc: "Row tails"); at most 192 rows: T2 up
     to 64, whose accumulator fits the registers beside T1's."""
-    t1 = 128 if rows > 128 else max(16, triton.next_power_of_2(rows))
-    return t1, max(8, triton.next_power_of_2(rows - t1)) if rows > t1 else 8
+    t1 = 128 if rows > 128 else max(16, next_power_of_2(rows))
+    return t1, max(8, next_power_of_2(rows - t1)) if rows > t1 else 8
 
 
 def matmul_swapped_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows_per_launch: int, block_w: int,
@@ -252,7 +253,7 @@ def matmul_swapped_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows_
         x, out = a[lo:lo + rows_per_launch], c[lo:lo + rows_per_launch]
         t1, t2, p1, p2, two = swapped_boxes(x.shape[0])
         d = {r: _descriptor(x, r) for r in {t1, p1, p2}}
-        _bi_matmul_ws_swapped_kernel[(triton.cdiv(n, block_w),)](w_d, d[t1], d[p1], d[p2], out, x.shape[0], n, k,
+        _bi_matmul_ws_swapped_kernel[(cdiv(n, block_w),)](w_d, d[t1], d[p1], d[p2], out, x.shape[0], n, k,
                                                                   out.stride(0), t2, two, stages, num_warps=num_warps)
 
 
@@ -269,7 +270,7 @@ def row_pieces(rows: int) -> tuple[int, int]:
     power of two up to `rows`, then the power of two covering the rest (0 if none), each at least 8 rows (TMA's
     128-byte swizzle atom); 72 rows load as 64 + 8, 24 as 16 + 8, 56 as 32 + 32."""
     p1 = max(8, 1 << (rows.bit_length() - 1))
-    return p1, (max(8, triton.next_power_of_2(rows - p1)) if rows > p1 else 0)
+    return p1, (max(8, next_power_of_2(rows - p1)) if rows > p1 else 0)
 
 
 def tail_pieces(m: int, block_m: int) -> tuple[int, int]:
@@ -323,7 +324,7 @@ def matmul_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, block_m: int,
     regs = max_registers(block_m, block_n, stages)
     if regs:
         extra["maxnreg"] = regs
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    grid = (cdiv(m, block_m) * cdiv(n, block_n),)
     _bi_matmul_ws_kernel[grid](d[block_m], d[r1], d[r2], w_d, c, m, n, k, c.stride(0), group_m, tail, stages,
                                num_warps=num_warps, **extra)
 

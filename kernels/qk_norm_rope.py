@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import cdiv, launch
+
 VLLM_NORM_BLOCK = 1024
 """`rms_norm_batch_invariant`'s BLOCK_SIZE: the reduction's block shape, hence its bits."""
 
@@ -218,10 +220,10 @@ def _launch(a, wa, oa, b, wb, ob, eps, positions, cache, rows_per_program):
     hb = b.shape[1]
     rows = default_rows(t * (ha + hb), d) if rows_per_program is None else rows_per_program
     _check_rows(rows, d)
-    a_programs = triton.cdiv(t * ha, rows)
-    grid = a_programs + triton.cdiv(t * hb, rows)
+    a_programs = cdiv(t * ha, rows)
+    grid = a_programs + cdiv(t * hb, rows)
     if grid:
-        _norm_rope_kernel[(grid,)](a, wa, oa, a.stride(0), a.stride(1), ha, a_programs,
-                                   b, wb, ob, b.stride(0), b.stride(1), hb,
-                                   positions, cache, t, d, eps, cache.stride(0),
-                                   ROWS=rows, HALF=d // 2, BLOCK_SIZE=VLLM_NORM_BLOCK)
+        launch(_norm_rope_kernel, (grid, 1, 1),
+               (a, wa, oa, a.stride(0), a.stride(1), ha, a_programs, b, wb, ob, b.stride(0), b.stride(1), hb,
+                positions, cache, t, d, eps, cache.stride(0)),
+               {"ROWS": rows, "HALF": d // 2, "BLOCK_SIZE": VLLM_NORM_BLOCK})

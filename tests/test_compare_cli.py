@@ -93,3 +93,12 @@ def test_swapped_norm_or_rotary_reaches_the_models_fused_qk_step(op):
     rot = ref.rotary if op == "rotary" else base.rotary
     want = rot(pos, norm(q, w, 1e-6), norm(k, w, 1e-6), cache)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_bench_launch_refuses_to_run_without_a_gpu(capsys, monkeypatch):
+    from compare import bench_launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        bench_launch.main(["--shape", "Qwen3-1.7B"])
+    assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err

@@ -26,7 +26,9 @@ Patch 2 - the batch-invariant linear layers' GEMM (vLLM 0.26.0, `VLLM_BATCH_INVA
     bits). The trainer's linear layers run the same kernel.
     What: the name `linear_batch_invariant` in vLLM's `linear` and `vocab_parallel_embedding`
     modules (where `UnquantizedLinearMethod.apply` and `UnquantizedEmbeddingMethod.apply` look it
-    up) is rebound to a function of the same signature that calls `kernels.gemm.matmul`.
+    up) is rebound to a function of the same signature that calls `kernels.gemm.matmul` on the weight's plain
+    tensor (`.data`: vLLM's parameter classes define a Python `__torch_function__`, which each of the shape,
+    stride and pointer reads of an eager launch would go through; lm_head runs eagerly every decode step).
 
 Patch 3 - Qwen3's q/k RMSNorm + rotary in the engine (vLLM 0.26.0, `VLLM_BATCH_INVARIANT=1`):
     Why: `Qwen3Attention.forward` normalizes q and k per head (`q_norm`/`k_norm`: a contiguous copy of
@@ -96,12 +98,15 @@ def _patch_residual_rms_norm() -> None:
 
 
 def _patch_linear_gemm() -> None:
+    import torch
     import vllm.model_executor.layers.linear as linear
     import vllm.model_executor.layers.vocab_parallel_embedding as vocab
 
     from kernels.gemm import matmul
 
     def linear_batch_invariant_tuned(input, weight, bias=None):
+        if type(weight) is not torch.Tensor:  # vLLM's parameter classes run a Python `__torch_function__` on every
+            weight = weight.data              # attribute read, and matmul reads a dozen (module doc, patch 2)
         out = matmul(input, weight)
         return out if bias is None else out + bias  # vLLM adds a bias after the GEMM in bf16 too
 
