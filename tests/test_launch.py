@@ -51,7 +51,7 @@ def test_first_call_compiles_through_the_jit_then_launches_directly_in_signature
 
 
 @pytest.mark.parametrize("change", ["n", "n_aligned", "block", "warps", "eps", "dtype", "misaligned"])
-def test_anything_triton_specializes_on_takes_the_jit_again(fast, change):
+def test_a_new_argument_value_or_specialization_takes_the_jit_again(fast, change):
     k = FakeKernel()
     x = torch.zeros(64)
     base = dict(args=(x, 64, 1e-6), constexprs={"BLOCK": 128}, options={"num_warps": 4})
