@@ -254,7 +254,7 @@ def matmul_swapped_into(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, rows_
         t1, t2, p1, p2, two = swapped_boxes(x.shape[0])
         d = {r: _descriptor(x, r) for r in {t1, p1, p2}}
         _bi_matmul_ws_swapped_kernel[(cdiv(n, block_w),)](w_d, d[t1], d[p1], d[p2], out, x.shape[0], n, k,
-                                                                  out.stride(0), t2, two, stages, num_warps=num_warps)
+                                                           out.stride(0), t2, two, stages, num_warps=num_warps)
 
 
 def swapped_boxes(rows: int) -> tuple[int, int, int, int, bool]:
