@@ -3,6 +3,7 @@
     VLLM_BATCH_INVARIANT=1 python compare/bench_rollout.py --model DIR            # or --shape Qwen3-1.7B
     python compare/bench_rollout.py --shape Qwen3-1.7B --engines ours,ours:none,plain --json out.json
     python compare/bench_rollout.py --sweep --shape Qwen3-8B --results sweep.jsonl [--label before]
+    python compare/bench_rollout.py --sweep --paired --shape Qwen3-8B --results sweep.jsonl  # engines side by side
     python compare/bench_rollout.py --sweep --plan --shape Qwen3-8B --results sweep.jsonl   # no GPU: what a call runs
     python compare/bench_rollout.py --plot --results a.jsonl --results b.jsonl --png docs/rollout-sweep.png
 
@@ -26,7 +27,10 @@ each engine's slowdown relative to `plain` (plain tokens/s / engine tokens/s).
 each engine is built once, then runs every cell the plan fits into --budget-s; each result is
 appended to --results as one JSON line the moment it is measured, so a call cut short keeps what it
 measured and the same command resumes from there (cells measured by every engine in one call are
-skipped; the first engine's share of the budget is 1/len(engines)). At the end, and with --plot, the
+skipped; the first engine's share of the budget is 1/len(engines)). By default the engines run one after
+the other; with --paired they are all built on the GPU at once (1/N of the memory each) and each cell's
+runs alternate between them, so a shared host's slow minutes fall on every engine alike (at Qwen3-1.7B
+one engine's decode step moved 3.5 -> 6.0 ms between two runs minutes apart: docs/rollout-profile.md). At the end, and with --plot, the
 report lists the worst cells and every cell above --goal, and --png draws the heatmap (matplotlib).
 """
 
@@ -36,6 +40,8 @@ import argparse
 import hashlib
 import json
 import os
+import queue
+import signal
 import socket
 import statistics
 import subprocess
@@ -114,30 +120,63 @@ def prompt_seed(cell: sw.Cell, role: str, repeat: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{cell}:{role}:{repeat}".encode()).digest()[:7], "little")
 
 
+def counted_run(run, builds, cell: sw.Cell, new: int, role: str, repeat: int) -> tuple[float, int | None]:
+    """One run of a cell with `new` new tokens on the prompts of (cell, role, repeat) (`prompt_seed`): its seconds,
+    and the Triton kernels built meanwhile (None where `builds()` cannot tell)."""
+    before = builds()
+    dt = run(cell.batch, cell.prompt_len, new, prompt_seed(cell, role, repeat))
+    after = builds()
+    return dt, (after - before if before is not None and after is not None else None)
+
+
+def cell_row(cell: sw.Cell, warm: tuple, timed: list[tuple], prefill: list[tuple] | None) -> dict:
+    """A cell's result row from its (seconds, builds) runs: the warm-up, the timed rollouts, the prefills (or None)."""
+    times = [t for t, _ in timed]
+    dt = statistics.median(times)
+    row = {"batch": cell.batch, "prompt_len": cell.prompt_len, "new_tokens": cell.new_tokens,
+           "seconds": round(dt, 4), "seconds_each": [round(t, 4) for t in times],
+           "tokens_per_s": round(cell.batch * cell.new_tokens / dt, 1), "warm_seconds": round(warm[0], 4),
+           "warm_triton_builds": warm[1],
+           "timed_triton_builds": None if any(b is None for _, b in timed) else sum(b for _, b in timed)}
+    if prefill is not None:
+        each = [t for t, _ in prefill]
+        row.update(prefill_seconds=round(statistics.median(each), 4), prefill_each=[round(t, 4) for t in each])
+    return row
+
+
 def time_cell(run, cell: sw.Cell, repeats: int, split_prefill: bool, builds) -> dict:
     """A cell's timings: one untimed warm-up of min(G, WARMUP_NEW_TOKENS) new tokens, then `repeats`
     rollouts (and, with `split_prefill`, `repeats` runs of one new token: the prefill). `run(batch,
     prompt_len, new_tokens, seed)` -> seconds; `builds()` -> Triton kernels built so far (or None),
     counted per phase: the warm-up's are the cell's first-run JIT cost, a timed run's taint its timing."""
     def counted(new: int, role: str, r: int) -> tuple[float, int | None]:
-        before = builds()
-        dt = run(cell.batch, cell.prompt_len, new, prompt_seed(cell, role, r))
-        after = builds()
-        return dt, (after - before if before is not None and after is not None else None)
+        return counted_run(run, builds, cell, new, role, r)
 
-    warm_s, warm_builds = counted(min(cell.new_tokens, sw.WARMUP_NEW_TOKENS), "warm", 0)
+    warm = counted(min(cell.new_tokens, sw.WARMUP_NEW_TOKENS), "warm", 0)
     timed = [counted(cell.new_tokens, "rollout", r) for r in range(repeats)]
-    times = [t for t, _ in timed]
-    dt = statistics.median(times)
-    row = {"batch": cell.batch, "prompt_len": cell.prompt_len, "new_tokens": cell.new_tokens,
-           "seconds": round(dt, 4), "seconds_each": [round(t, 4) for t in times],
-           "tokens_per_s": round(cell.batch * cell.new_tokens / dt, 1), "warm_seconds": round(warm_s, 4),
-           "warm_triton_builds": warm_builds,
-           "timed_triton_builds": None if any(b is None for _, b in timed) else sum(b for _, b in timed)}
-    if split_prefill:
-        prefill = [counted(1, "prefill", r)[0] for r in range(repeats)]
-        row.update(prefill_seconds=round(statistics.median(prefill), 4), prefill_each=[round(t, 4) for t in prefill])
-    return row
+    prefill = [counted(1, "prefill", r) for r in range(repeats)] if split_prefill else None
+    return cell_row(cell, warm, timed, prefill)
+
+
+def paired_cell(counters: dict, cell: sw.Cell, repeats: int, split_prefill: bool) -> dict[str, dict]:
+    """Every engine's row for one cell (`--paired`), their runs interleaved: each engine's warm-up, then per repeat
+    one rollout of each engine, the order rotated every repeat (A B C, B C A, C A B, ...) so that no engine always
+    follows the same one; then the prefills (`split_prefill`) likewise. `counters[name](new, role, repeat)` ->
+    (seconds, builds), as `counted_run`."""
+    names = list(counters)
+
+    def interleaved(new: int, role: str) -> dict[str, list]:
+        got = {n: [] for n in names}
+        for r in range(repeats):
+            k = r % len(names)
+            for n in names[k:] + names[:k]:
+                got[n].append(counters[n](new, role, r))
+        return got
+
+    warm = {n: counters[n](min(cell.new_tokens, sw.WARMUP_NEW_TOKENS), "warm", 0) for n in names}
+    timed = interleaved(cell.new_tokens, "rollout")
+    prefill = interleaved(1, "prefill") if split_prefill else None
+    return {n: cell_row(cell, warm[n], timed[n], prefill[n] if prefill else None) for n in names}
 
 
 def _attr(obj, path: str):
@@ -171,7 +210,7 @@ def worker(args) -> None:
     import torch
 
     cells = [sw.Cell(b, p, g) for b, p, g in parse_cases(args)]
-    if args.sweep and args.deadline is None:
+    if args.sweep and args.deadline is None and not args.serve:
         raise SystemExit("error: a --sweep worker needs --deadline (the parent passes it)")
     t0 = time.perf_counter()
     llm = build_llm(args.worker, args.model, args.gpu_memory_utilization, args.max_model_len)
@@ -201,9 +240,27 @@ def worker(args) -> None:
             return
         facts = engine_facts(llm)
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-        emit({"kind": "engine", "engine_start_s": round(start, 1), "gpu": gpu, **facts})
+        free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
+        # GPU memory in use once started: vLLM's share (weights + KV cache) plus what it keeps beyond it
+        # (CUDA graphs' pool, its context), so two engines with the same share compare their graphs' memory
+        emit({"kind": "engine", "engine_start_s": round(start, 1), "gpu": gpu,
+              "gpu_used_gib": round((total - free) / 2**30, 2), **facts})
+        if args.serve:
+            serve(run, builds, sys.stdin, emit)
+            return
         size = sw.ModelSize.from_config(json.loads((Path(args.model) / "config.json").read_text()))
         sweep_cells(run, cells, facts, size, sw.Deadline(at=args.deadline), args.repeats, args.split_prefill, builds, emit)
+
+
+def serve(run, builds, requests, emit) -> None:
+    """A `--paired` worker's loop: one JSON request per line, {"batch", "prompt_len", "new_tokens"} (the cell) and
+    {"new", "role", "repeat"} (`counted_run`'s), each answered by one row {"kind": "run", "seconds", "builds"};
+    it ends with its input (the parent closes it)."""
+    for line in requests:
+        if line.strip():
+            req = json.loads(line)
+            dt, built = counted_run(run, builds, sw.Cell.of(req), int(req["new"]), str(req["role"]), int(req["repeat"]))
+            emit({"kind": "run", "seconds": dt, "builds": built})
 
 
 def sweep_cells(run, cells: list[sw.Cell], facts: dict, size: sw.ModelSize, deadline: sw.Deadline, repeats: int,
@@ -320,6 +377,164 @@ def run_sweep_engine(name: str, args, cells: list[sw.Cell], deadline: float, on_
     return stream_rows(cmd, worker_env(name), on_row, timeout=max(deadline - time.time(), 0.0) + GRACE_S)
 
 
+class EngineFailed(RuntimeError):
+    """A `ServedEngine` exited, or did not answer in time; the message ends with its stderr's last line."""
+
+
+class ServedEngine:
+    """One `--paired` engine: its worker process (`serve`), started with `start`, asked for runs with `run`, ended
+    with `close`. Its stdout is read by a thread into a queue (JSON rows only; vLLM logs to stderr, which goes to a
+    temporary file whose end an `EngineFailed` quotes). Between its runs the process is stopped (SIGSTOP; SIGCONT
+    for the next run), so that an idle engine's process takes nothing from the one being timed. Measured (session
+    48, H100, Qwen3-8B, the same six 16-token-prompt cells, three runs each, one machine per call): the spread of
+    SPIRL's engine's runs within a cell was 0.7-15.7 % (mean 10.5) with the other engine's process left running and
+    1.2-7.3 % (mean 3.9) with it stopped; plain vLLM's 3.7-20.9 % (9.5) and 3.1-13.5 % (7.7); one engine after the
+    other (no --paired; five such cells, another call) 0.9-2.4 % and 4.3-10.8 % (docs/rollout-profile.md, session 48)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict):
+        self.name = name
+        self._err = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+                                      text=True)
+        self._rows: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            if line.startswith("{"):
+                try:
+                    self._rows.put(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        self._rows.put(None)  # end of output: the process is gone
+
+    def _next(self, kind: str, timeout: float) -> dict:
+        try:
+            row = self._rows.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            raise EngineFailed(f"{self.name}: no {kind} row within {timeout:.0f} s") from None
+        if row is None:
+            self._proc.wait()
+            self._err.seek(0)
+            last = (self._err.read().strip().splitlines() or [""])[-1]
+            raise EngineFailed(f"{self.name}: exit {self._proc.returncode}: {last}")
+        if row.get("kind") != kind:
+            raise EngineFailed(f"{self.name}: expected a {kind} row, got {row}")
+        return row
+
+    def _signal(self, sig: int) -> None:
+        if self._proc.poll() is None:
+            try:
+                os.kill(self._proc.pid, sig)
+            except ProcessLookupError:
+                pass  # exited meanwhile: _next says why
+
+    def start(self, timeout: float) -> dict:
+        """The engine row, once the engine is built; the process is then stopped until its first run."""
+        row = self._next("engine", timeout)
+        self._signal(signal.SIGSTOP)
+        return row
+
+    def run(self, cell: sw.Cell, new: int, role: str, repeat: int, timeout: float) -> tuple[float, int | None]:
+        """One run (`counted_run`) in the worker, continued for it and stopped again after: (seconds, builds)."""
+        self._signal(signal.SIGCONT)
+        try:
+            self._proc.stdin.write(json.dumps({**cell_fields(cell), "new": new, "role": role, "repeat": repeat}) + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the process is gone: _next says why
+        row = self._next("run", timeout)
+        self._signal(signal.SIGSTOP)
+        return row["seconds"], row["builds"]
+
+    def stderr_tail(self, chars: int = 3000) -> str:
+        self._err.seek(0)
+        return self._err.read()[-chars:]
+
+    def close(self) -> None:
+        """End the worker (continued, its input closed, then killed after 30 s) and drop its stderr."""
+        self._signal(signal.SIGCONT)
+        try:
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._err.close()
+
+
+def paired_worker_cmd(name: str, args, n_engines: int) -> list[str]:
+    """A `--paired` engine's worker command: the `serve` loop, with 1/n_engines of --gpu-memory-utilization."""
+    share = argparse.Namespace(**vars(args))
+    share.gpu_memory_utilization = args.gpu_memory_utilization / n_engines
+    return worker_cmd(name, share, "", ["--sweep", "--serve"])
+
+
+def sweep_paired(args, engines: list[str], cells: list[sw.Cell], run_id: str, t_start: float,
+                 size: sw.ModelSize) -> int:
+    """`--sweep --paired`: every engine built on the GPU at once (one after another, so no two profile its memory
+    together), then each cell run by all of them, interleaved (`paired_cell`), while the budget's estimate allows;
+    rows appended to the first --results file as each cell completes. A failed engine ends the call (its cell is
+    recorded as failed). Returns 1 on a failure."""
+    deadline = sw.Deadline(at=t_start + args.budget_s)
+    bases = {n: {"run_id": run_id, "label": args.label, "shape": shape_name(args), "engine": n, "model": args.model}
+             for n in engines}
+    served: dict[str, ServedEngine] = {}
+    facts: dict[str, dict] = {}
+    cell, failed = None, False
+    print(f"== paired: {', '.join(engines)} at once, {args.gpu_memory_utilization / len(engines):.3f} of the GPU's "
+          f"memory each; {len(cells)} cells", flush=True)
+    try:
+        for name in engines:
+            served[name] = ServedEngine(name, paired_worker_cmd(name, args, len(engines)), worker_env(name))
+            facts[name] = served[name].start(deadline.at - time.time() + GRACE_S)
+            sw.append_rows(args.results[0], [{**bases[name], **facts[name]}])
+            print(f"   {name:12s} {progress_line(facts[name])}", flush=True)
+        for cell in cells:
+            if not all(sw.fits_kv(cell, f.get("kv_tokens"), f.get("kv_block") or sw.KV_BLOCK_TOKENS)
+                       for f in facts.values()):
+                reason = f"KV cache: {cell.batch} sequences of {cell.prompt_len + cell.new_tokens} tokens do not fit " \
+                         f"one engine's share at once"
+                sw.append_rows(args.results[0], [{**bases[n], "kind": "skip", "reason": reason, **cell_fields(cell)}
+                                                 for n in engines])
+                print(f"   skip {cell}: {reason}", flush=True)
+                continue
+            estimate = len(engines) * sw.cell_seconds(size, sw.Rates(), cell, args.repeats, args.split_prefill)
+            if not deadline.allows(time.time(), estimate):
+                print(f"   stop: budget, the next cell ({cell}) estimated at {deadline.scale * estimate:.0f} s", flush=True)
+                cell = None
+                break
+            t = time.time()
+            limit = deadline.at - t + GRACE_S
+            counters = {n: (lambda new, role, r, e=served[n], c=cell, lim=limit: e.run(c, new, role, r, lim))
+                        for n in engines}
+            rows = paired_cell(counters, cell, args.repeats, args.split_prefill)
+            deadline.record(time.time() - t, estimate)
+            sw.append_rows(args.results[0], [{**bases[n], "kind": "cell", "paired": True, **rows[n]} for n in engines])
+            for n in engines:
+                print(f"   {n:12s} {progress_line({'kind': 'cell', **rows[n]})}", flush=True)
+        else:
+            cell = None
+    except EngineFailed as e:
+        failed = True
+        print(f"   FAILED: {e}", flush=True)
+        for eng in served.values():
+            tail = eng.stderr_tail()
+            if tail.strip():
+                print(f"--- {eng.name} stderr (end) ---\n{tail}", flush=True)
+        if cell is not None:
+            sw.append_rows(args.results[0], [{**bases[n], "kind": "fail", "reason": str(e), **cell_fields(cell)}
+                                             for n in engines])
+    finally:
+        for eng in served.values():
+            eng.close()
+    report(args)
+    return 1 if failed else 0
+
+
 def shape_name(args) -> str:
     """What the results call the model: --shape for a random checkpoint, else the directory's name."""
     return args.shape if args.model is None else Path(args.model).name
@@ -366,7 +581,8 @@ def sweep(args, t_start: float) -> int:
     writes = args.model is None and not (Path(args.cache_dir) / f"bench-{args.shape}" / "config.json").is_file()
     budget = args.budget_s - (time.time() - t_start)
     pl = sw.plan(todo, size, rates, budget, len(engines), args.repeats, args.split_prefill,
-                 sw.kv_tokens_estimate(size, rates, args.gpu_memory_utilization), write_checkpoint=writes)
+                 sw.kv_tokens_estimate(size, rates, args.gpu_memory_utilization / (len(engines) if args.paired else 1)),
+                 write_checkpoint=writes)
     print(f"{shape}: grid {len(cells)} cells, {len(done)} done before, {len(todo)} to do; this call: {len(pl.cells)} "
           f"cells (estimate {pl.fixed_s:.0f} s of engine starts{' and checkpoint' if writes else ''} + "
           f"{pl.cells_s:.0f} s of cells, budget {budget:.0f} s); {len(pl.over_budget)} left for a later call; "
@@ -379,6 +595,8 @@ def sweep(args, t_start: float) -> int:
         return report(args)
     ensure_model(args)
     run_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{socket.gethostname()}-{os.getpid()}"
+    if args.paired:
+        return sweep_paired(args, engines, pl.cells, run_id, t_start, size)
     failed = False
     measured: list[sw.Cell] = pl.cells
     for i, name in enumerate(engines):
@@ -421,7 +639,8 @@ def progress_line(row: dict) -> str:
                 f"{row['seconds']:8.3f} s  {row['tokens_per_s']:10.1f} tok/s  spread {sw.spread(row)}")
     if kind == "engine":
         return (f"started in {row.get('engine_start_s')} s on {row.get('gpu')}: {len(row.get('capture_sizes') or [])} "
-                f"capture sizes up to {max(row.get('capture_sizes') or [0])}, KV cache {row.get('kv_tokens')} tokens")
+                f"capture sizes up to {max(row.get('capture_sizes') or [0])}, KV cache {row.get('kv_tokens')} tokens"
+                + (f", {row['gpu_used_gib']} GiB of GPU memory in use" if row.get("gpu_used_gib") else ""))
     return f"{kind}: {row.get('reason', '')} {sw.Cell.of(row) if 'batch' in row else ''}".rstrip()
 
 
@@ -509,7 +728,12 @@ def parse_args(argv):
     g.add_argument("--png", help="write the heatmap here (needs matplotlib), e.g. docs/rollout-sweep.png")
     g.add_argument("--worst", type=int, default=10, help="cells listed per shape besides every miss")
     g.add_argument("--goal", type=float, default=sw.GOAL, help="a cell above this time ratio is a miss")
+    g.add_argument("--paired", action="store_true",
+                   help="build every engine on the GPU at once, each with 1/N of --gpu-memory-utilization, and "
+                        "interleave their runs of each cell (A B, B A, ...), so a shared host's slow spells hit every "
+                        "engine alike: each cell's ratio is a paired measurement")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeats is None:

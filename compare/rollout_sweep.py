@@ -497,7 +497,9 @@ def report_lines(all_pairs: list[Pair], worst: int = 10, goal: float = GOAL) -> 
 def spread(row: dict) -> str:
     """(slowest - fastest) / median of a row's repeats, as a percentage; "-" for a single timing."""
     each = row.get("seconds_each") or []
-    return f"{100 * (max(each) - min(each)) / statistics.median(each):.1f}%" if len(each) > 1 else "-"
+    if len(each) < 2 or statistics.median(each) <= 0:  # one timing, or runs too short to round above 0
+        return "-"
+    return f"{100 * (max(each) - min(each)) / statistics.median(each):.1f}%"
 
 
 def heatmap(all_pairs: list[Pair], out: str | Path, goal: float = GOAL) -> Path:

@@ -346,6 +346,7 @@ def test_the_parents_worker_command_parses_as_meant(model_dir, tmp_path):
 
 FAKE_VLLM = '''
 """A stand-in for vllm in a worker subprocess (tests/test_bench_rollout.py): LLM, SamplingParams, TokensPrompt."""
+import time
 from types import SimpleNamespace
 
 
@@ -362,17 +363,14 @@ class LLM:
         self.llm_engine = SimpleNamespace(vllm_config=cfg)
 
     def generate(self, prompts, params, use_tqdm=False):
+        time.sleep(0.01)  # a rollout takes time: its seconds round above 0 (the report divides by them)
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * params.max_tokens)]) for _ in prompts]
 '''
 
 
 def test_a_real_worker_process_streams_its_rows(monkeypatch, tmp_path, model_dir):
     """The parent's command, environment and stream end to end, with vllm replaced by FAKE_VLLM."""
-    fake = tmp_path / "fake_site" / "vllm"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(FAKE_VLLM)
-    (fake / "inputs.py").write_text("TokensPrompt = dict\n")
-    monkeypatch.setenv("PYTHONPATH", f"{fake.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    _fake_vllm_site(monkeypatch, tmp_path)
     args = bench_rollout.parse_args(_sweep_argv(model_dir, tmp_path / "r.jsonl", "--repeats", "1"))
     rows = []
     rc, err, killed = bench_rollout.run_sweep_engine(
@@ -380,3 +378,121 @@ def test_a_real_worker_process_streams_its_rows(monkeypatch, tmp_path, model_dir
     assert (rc, killed) == (0, False), err
     assert [(r["kind"], r.get("batch")) for r in rows] == [("engine", None), ("start", 2), ("cell", 2), ("skip", 8)]
     assert rows[0]["kv_tokens"] == 1024 and rows[0]["capture_sizes"] == [1, 2, 4, 8]  # 64 blocks of 16
+
+
+# -- --paired: every engine at once, each cell's runs interleaved --------------------------------------------
+
+
+def test_paired_cell_interleaves_the_engines_rotating_their_order():
+    calls = []
+
+    def counter(name):
+        def counted(new, role, r):
+            calls.append((name, role, r, new))
+            return 1.0 + 0.1 * len(calls), 0
+        return counted
+
+    rows = bench_rollout.paired_cell({"a": counter("a"), "b": counter("b")}, sw.Cell(8, 16, 64), 3, True)
+    assert [(n, role, r) for n, role, r, _ in calls] == [
+        ("a", "warm", 0), ("b", "warm", 0),
+        ("a", "rollout", 0), ("b", "rollout", 0), ("b", "rollout", 1), ("a", "rollout", 1),
+        ("a", "rollout", 2), ("b", "rollout", 2),
+        ("a", "prefill", 0), ("b", "prefill", 0), ("b", "prefill", 1), ("a", "prefill", 1),
+        ("a", "prefill", 2), ("b", "prefill", 2)]
+    assert {new for _, role, _, new in calls if role == "warm"} == {sw.WARMUP_NEW_TOKENS}
+    # each engine's row holds its own runs, in repeat order: a ran 3rd, 6th, 7th; b 4th, 5th, 8th
+    assert rows["a"]["seconds_each"] == [1.3, 1.6, 1.7] and rows["b"]["seconds_each"] == [1.4, 1.5, 1.8]
+    assert rows["a"]["seconds"] == 1.6 and rows["a"]["warm_seconds"] == 1.1
+    assert rows["b"]["prefill_each"] == [2.0, 2.1, 2.4]  # b's prefills ran 10th, 11th, 14th
+    assert rows["a"]["timed_triton_builds"] == 0 and rows["a"]["batch"] == 8
+
+
+def test_serve_answers_each_request_with_one_run_row():
+    seeds, built = [], iter(range(0, 100, 2))
+    emitted = []
+
+    def run(batch, prompt_len, new, seed):
+        seeds.append((batch, prompt_len, new, seed))
+        return 0.25
+
+    cell = sw.Cell(4, 32, 16)
+    requests = [json.dumps({**bench_rollout.cell_fields(cell), "new": 16, "role": "rollout", "repeat": r}) + "\n"
+                for r in (0, 1)]
+    bench_rollout.serve(run, lambda: next(built), ["\n", *requests], emitted.append)
+    assert emitted == [{"kind": "run", "seconds": 0.25, "builds": 2}] * 2
+    assert seeds == [(4, 32, 16, bench_rollout.prompt_seed(cell, "rollout", r)) for r in (0, 1)]
+
+
+def _fake_vllm_site(monkeypatch, tmp_path):
+    fake = tmp_path / "fake_site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "inputs.py").write_text("TokensPrompt = dict\n")
+    monkeypatch.setenv("PYTHONPATH", f"{fake.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
+def test_a_paired_sweep_runs_worker_processes_side_by_side(monkeypatch, tmp_path, model_dir, capsys):
+    """Two real worker processes in the serve loop (both FAKE_VLLM's `plain` worker; the parent names one `ours`),
+    each given half of the memory share; every cell measured by both, interleaved; a cell too big for the KV
+    cache skipped by both."""
+    _fake_vllm_site(monkeypatch, tmp_path)
+    cmds = {}
+
+    def cmd(name, args, n):
+        cmds[name] = real(name, args, n)
+        return real("plain", args, n)
+
+    real = bench_rollout.paired_worker_cmd
+    monkeypatch.setattr(bench_rollout, "paired_worker_cmd", cmd)
+    results = tmp_path / "r.jsonl"
+    argv = ["--sweep", "--paired", "--model", str(model_dir), "--results", str(results), "--grid-batches", "2,4",
+            "--grid-prompts", "16,192", "--repeats", "2", "--label", "p", "--gpu-memory-utilization", "0.8"]
+    assert bench_rollout.main(argv) == 0
+    w = bench_rollout.parse_args(cmds["ours"][2:])
+    assert (w.worker, w.serve, w.gpu_memory_utilization) == ("ours", True, 0.4)
+    rows = sw.load_rows([str(results)])
+    cells = [(r["engine"], r["kind"], r.get("batch"), r.get("prompt_len")) for r in rows]
+    assert cells[:2] == [("ours", "engine", None, None), ("plain", "engine", None, None)]
+    measured = [(e, "cell", b, p) for e in ("ours", "plain") for b, p in ((2, 16), (4, 16), (2, 192))]
+    skipped = [(e, "skip", 4, 192) for e in ("ours", "plain")]  # 4 x 256 tokens: not within the fake's 1,024
+    assert sorted(cells[2:]) == sorted(measured + skipped)
+    assert all(r["paired"] and len(r["seconds_each"]) == 2 for r in rows if r["kind"] == "cell")
+    assert "ours / plain, 3 cells" in capsys.readouterr().out
+
+
+def test_a_paired_engine_that_dies_fails_the_call_in_one_line(monkeypatch, tmp_path, model_dir, capsys):
+    monkeypatch.setattr(bench_rollout, "paired_worker_cmd", lambda name, args, n: [
+        sys.executable, "-c", "import sys; sys.stderr.write('torch.OutOfMemoryError: CUDA out of memory\\n'); sys.exit(3)"])
+    argv = ["--sweep", "--paired", "--model", str(model_dir), "--results", str(tmp_path / "r.jsonl"),
+            "--grid-batches", "2", "--grid-prompts", "16"]
+    assert bench_rollout.main(argv) == 1
+    assert "FAILED: ours: exit 3: torch.OutOfMemoryError: CUDA out of memory" in capsys.readouterr().out
+
+
+def _state(pid: int, want: str = "T", wait_s: float = 5.0) -> str:
+    """A process's state letter from /proc (T: stopped), polled until it is `want` or `wait_s` passed (a signal is
+    delivered asynchronously)."""
+    end = time.time() + wait_s
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        if state == want or time.time() > end:
+            return state
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc (Linux)")
+def test_a_served_engine_is_stopped_between_its_runs(monkeypatch, tmp_path, model_dir):
+    _fake_vllm_site(monkeypatch, tmp_path)
+    args = bench_rollout.parse_args(_sweep_argv(model_dir, tmp_path / "r.jsonl"))
+    eng = bench_rollout.ServedEngine("plain", bench_rollout.paired_worker_cmd("plain", args, 2),
+                                     bench_rollout.worker_env("plain"))
+    try:
+        assert eng.start(60)["kind"] == "engine"
+        pid = eng._proc.pid
+        assert _state(pid) == "T"
+        seconds, _ = eng.run(sw.Cell(2, 16, 4), 4, "rollout", 0, 60)
+        assert seconds > 0 and _state(pid) == "T"
+    finally:
+        eng.close()
+    assert eng._proc.returncode == 0  # continued, its input closed: it ended on its own
