@@ -6,7 +6,8 @@ For every linear of the shape (qkv, o, gate_up, down, lm_head) and row counts fr
 64) to training (8192), runs every config of `kernels.gemm.CONFIGS` on the same random bf16
 inputs and checks its output is bitwise equal (torch.equal) to vLLM 0.26's
 `linear_batch_invariant`; then times each next to vLLM's kernel and cuBLAS (torch.mm, what a plain
-bf16 model runs), and prints the fastest config per shape.
+bf16 model runs), and prints the fastest config per shape and whether cuBLAS gave vLLM's bits
+(`--cublas-as-vllm`: with cuBLAS set up as vLLM's batch-invariant mode sets it up on Hopper).
 
 Timing: by default triton.testing.do_bench (median, L2 flushed), which times launches from Python.
 A GEMM of tens of microseconds then measures the host too: making TMA descriptors and launching took
@@ -88,8 +89,16 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench's timing window per case")
     p.add_argument("--graph", action="store_true",
                    help="time launches replayed from a CUDA graph, weights from HBM (module doc), not do_bench's")
+    p.add_argument("--cublas-as-vllm", action="store_true",
+                   help="set cuBLAS up as vLLM's batch-invariant mode does on Hopper (its enable_batch_invariant_mode: "
+                        "no split-K through a 1-byte workspace, no reduced-precision reductions, cuBLASLt) before any "
+                        "GEMM, so that the cublas columns time and check that cuBLAS")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.cublas_as_vllm:  # before the first cuBLAS handle: its workspace settings are read when it is made
+        from vllm.model_executor.layers.batch_invariant import enable_batch_invariant_mode
+
+        enable_batch_invariant_mode()
     configs = args.configs.split(",") if args.configs else list(gemm.CONFIGS)
     unknown = [c for c in configs if c not in gemm.CONFIGS]
     if unknown:
@@ -102,6 +111,7 @@ def main(argv=None) -> int:
                                                  return_mode="median") * 1e3
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     per_config_mismatch = dict.fromkeys(configs, 0)
+    cublas_same = cublas_cases = 0
     did_not_fit, picks = set(), set()
     torch.manual_seed(0)
     results = []
@@ -132,12 +142,15 @@ def main(argv=None) -> int:
             row["picked"] = picked
             row["vllm_kernel_us"] = bench(lambda w_: linear_batch_invariant(x, w_))
             row["cublas_us"] = bench(lambda w_: torch.mm(x, w_.t()))
+            row["cublas_equal"] = torch.equal(torch.mm(x, w.t()), ref)  # information: cuBLAS is not a config
+            cublas_same, cublas_cases = cublas_same + row["cublas_equal"], cublas_cases + 1
             best = min(configs, key=lambda c: row[f"{c}_us"])
             row["best"] = best
             results.append(row)
             print(f"{name:8s} M={m:5d} N={n:6d} K={k:5d}  vllm {row['vllm_kernel_us']:8.1f}us  "
                   f"best {best:10s} {row[best + '_us']:8.1f}us  picked {row['picked']:10s} "
-                  f"{row[row['picked'] + '_us']:8.1f}us  cublas {row['cublas_us']:8.1f}us  "
+                  f"{row[row['picked'] + '_us']:8.1f}us  cublas {row['cublas_us']:8.1f}us "
+                  f"({'vLLM bits' if row['cublas_equal'] else 'other bits'})  "
                   f"{n * k * 2 / row[best + '_us'] / 1e6:5.2f} TB/s  all equal: "
                   f"{all(row[f'{c}_equal'] is not False for c in configs)}", flush=True)
             print("   " + "  ".join(f"{c} {row[c + '_us']:.1f}" for c in configs), flush=True)
@@ -145,6 +158,8 @@ def main(argv=None) -> int:
     print(f"bitwise mismatches vs vLLM's kernel: {mismatches} (config, shape) cases; per config: "
           + ", ".join(f"{c} {v}" for c, v in per_config_mismatch.items())
           + (f"; did not run (shared memory): {', '.join(sorted(did_not_fit))}" if did_not_fit else ""))
+    print(f"cuBLAS ({'set up as vLLM batch-invariant mode on Hopper' if args.cublas_as_vllm else 'torch defaults'}) "
+          f"bitwise equal to vLLM's kernel in {cublas_same} of {cublas_cases} (layer, rows) cases")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0 if mismatches == 0 and not did_not_fit & picks else 1  # a picked config must fit and match
