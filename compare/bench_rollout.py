@@ -29,9 +29,11 @@ appended to --results as one JSON line the moment it is measured, so a call cut 
 measured and the same command resumes from there (cells measured by every engine in one call are
 skipped; the first engine's share of the budget is 1/len(engines)). By default the engines run one after
 the other; with --paired they are all built on the GPU at once (1/N of the memory each) and each cell's
-runs alternate between them, so a shared host's slow minutes fall on every engine alike (at Qwen3-1.7B
-one engine's decode step moved 3.5 -> 6.0 ms between two runs minutes apart: docs/rollout-profile.md). At the end, and with --plot, the
-report lists the worst cells and every cell above --goal, and --png draws the heatmap (matplotlib).
+runs alternate between them, the idle engines' processes stopped, so that a shared host's slow minutes fall
+on every engine alike (at Qwen3-1.7B one engine's decode step moved 3.5 -> 6.0 ms between two runs minutes
+apart). Measured at Qwen3-8B (session 48), a paired engine's runs still spread more than one run alone
+(SPIRL's 1.2-7.3 % within a cell against 0.9-2.4 %): docs/rollout-profile.md. At the end, and with --plot,
+the report lists the worst cells and every cell above --goal, and --png draws the heatmap (matplotlib).
 """
 
 from __future__ import annotations
@@ -381,6 +383,17 @@ class EngineFailed(RuntimeError):
     """A `ServedEngine` exited, or did not answer in time; the message ends with its stderr's last line."""
 
 
+def _die_with_parent() -> None:
+    """In a served worker, before it runs (Linux): SIGKILL it when the parent dies, so that a parent killed outright
+    cannot leave a stopped engine holding the GPU's memory (a stopped process ignores every other signal)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: close() still ends the worker on every exit the parent lives through
+
+
 class ServedEngine:
     """One `--paired` engine: its worker process (`serve`), started with `start`, asked for runs with `run`, ended
     with `close`. Its stdout is read by a thread into a queue (JSON rows only; vLLM logs to stderr, which goes to a
@@ -395,7 +408,7 @@ class ServedEngine:
         self.name = name
         self._err = tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
-                                      text=True)
+                                      text=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         self._rows: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -730,8 +743,8 @@ def parse_args(argv):
     g.add_argument("--goal", type=float, default=sw.GOAL, help="a cell above this time ratio is a miss")
     g.add_argument("--paired", action="store_true",
                    help="build every engine on the GPU at once, each with 1/N of --gpu-memory-utilization, and "
-                        "interleave their runs of each cell (A B, B A, ...), so a shared host's slow spells hit every "
-                        "engine alike: each cell's ratio is a paired measurement")
+                        "interleave their runs of each cell (A B, B A, ...), the idle engines stopped, so a shared "
+                        "host's slow spells hit every engine alike: each cell's ratio is a paired measurement")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)

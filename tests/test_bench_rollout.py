@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -496,3 +498,25 @@ def test_a_served_engine_is_stopped_between_its_runs(monkeypatch, tmp_path, mode
     finally:
         eng.close()
     assert eng._proc.returncode == 0  # continued, its input closed: it ended on its own
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_served_worker_dies_with_its_parent(tmp_path):
+    """A parent killed outright (SIGKILL: no `finally`) must not leave its stopped worker behind."""
+    code = ("import subprocess, sys, time\n"
+            "from compare import bench_rollout\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+            " preexec_fn=bench_rollout._die_with_parent)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(bench_rollout.__file__)))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=root,
+                              env={**os.environ, "PYTHONPATH": root})
+    child = int(parent.stdout.readline())
+    os.kill(child, signal.SIGSTOP)
+    parent.kill()
+    parent.wait()
+    end = time.time() + 10
+    while time.time() < end and os.path.exists(f"/proc/{child}") and _state(child, "Z", 0) != "Z":
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}") or _state(child, "Z", 0) == "Z"
