@@ -73,6 +73,17 @@ def weight_copies(w: torch.Tensor, over_bytes: int) -> list:
     return [w] + [w.clone() for _ in range(n - 1)]
 
 
+def spans(values: list[int]) -> str:
+    """Sorted integers as runs: [1, 2, 3, 8, 10, 11] -> "1-3,8,10-11"."""
+    runs: list[list[int]] = []
+    for v in sorted(values):
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def main(argv=None) -> int:
     import triton
     from triton.runtime.errors import OutOfResources
@@ -82,7 +93,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="Qwen3-1.7B")
-    p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts: integers and ranges, e.g. 1-320,2064")
     p.add_argument("--configs", help="comma list of kernels.gemm.CONFIGS names (default: all)")
     p.add_argument("--layers", help="comma list of the shape's GEMMs to run (default: all of qkv, o, gate_up, "
                                     "down, lm_head)")
@@ -93,8 +104,14 @@ def main(argv=None) -> int:
                    help="set cuBLAS up as vLLM's batch-invariant mode does on Hopper (its enable_batch_invariant_mode: "
                         "no split-K through a 1-byte workspace, no reduced-precision reductions, cuBLASLt) before any "
                         "GEMM, so that the cublas columns time and check that cuBLAS")
+    p.add_argument("--bits-only", action="store_true",
+                   help="check bits (every config, vLLM's kernel, cuBLAS) without timing anything: a sweep of many "
+                        "row counts")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    from compare.rollout_sweep import parse_ints
+
+    rows = parse_ints(args.rows, "--rows")
     if args.cublas_as_vllm:  # before the first cuBLAS handle: its workspace settings are read when it is made
         from vllm.model_executor.layers.batch_invariant import enable_batch_invariant_mode
 
@@ -112,6 +129,7 @@ def main(argv=None) -> int:
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     per_config_mismatch = dict.fromkeys(configs, 0)
     cublas_same = cublas_cases = 0
+    cublas_other: dict[str, list[int]] = {}
     did_not_fit, picks = set(), set()
     torch.manual_seed(0)
     results = []
@@ -119,9 +137,9 @@ def main(argv=None) -> int:
         n, k = shapes[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         ws = weight_copies(w, 3 * l2) if args.graph else [w]
-        bench = ((lambda call: graph_us(call, ws)) if args.graph else
-                 (lambda call: do_bench(lambda: call(w))))
-        for m in map(int, args.rows.split(",")):
+        bench = ((lambda call: float("nan")) if args.bits_only else (lambda call: graph_us(call, ws)) if args.graph
+                 else (lambda call: do_bench(lambda: call(w))))
+        for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = linear_batch_invariant(x, w)
             row = {"layer": name, "M": m, "N": n, "K": k}
@@ -144,9 +162,16 @@ def main(argv=None) -> int:
             row["cublas_us"] = bench(lambda w_: torch.mm(x, w_.t()))
             row["cublas_equal"] = torch.equal(torch.mm(x, w.t()), ref)  # information: cuBLAS is not a config
             cublas_same, cublas_cases = cublas_same + row["cublas_equal"], cublas_cases + 1
+            if not row["cublas_equal"]:
+                cublas_other.setdefault(name, []).append(m)
+            results.append(row)
+            if args.bits_only:
+                print(f"{name:8s} M={m:5d} N={n:6d} K={k:5d}  configs all equal: "
+                      f"{all(row[f'{c}_equal'] is not False for c in configs)}  cublas equal: {row['cublas_equal']}",
+                      flush=True)
+                continue
             best = min(configs, key=lambda c: row[f"{c}_us"])
             row["best"] = best
-            results.append(row)
             print(f"{name:8s} M={m:5d} N={n:6d} K={k:5d}  vllm {row['vllm_kernel_us']:8.1f}us  "
                   f"best {best:10s} {row[best + '_us']:8.1f}us  picked {row['picked']:10s} "
                   f"{row[row['picked'] + '_us']:8.1f}us  cublas {row['cublas_us']:8.1f}us "
@@ -159,7 +184,8 @@ def main(argv=None) -> int:
           + ", ".join(f"{c} {v}" for c, v in per_config_mismatch.items())
           + (f"; did not run (shared memory): {', '.join(sorted(did_not_fit))}" if did_not_fit else ""))
     print(f"cuBLAS ({'set up as vLLM batch-invariant mode on Hopper' if args.cublas_as_vllm else 'torch defaults'}) "
-          f"bitwise equal to vLLM's kernel in {cublas_same} of {cublas_cases} (layer, rows) cases")
+          f"bitwise equal to vLLM's kernel in {cublas_same} of {cublas_cases} (layer, rows) cases"
+          + "".join(f"; other bits: {layer} at rows {spans(ms)}" for layer, ms in cublas_other.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0 if mismatches == 0 and not did_not_fit & picks else 1  # a picked config must fit and match

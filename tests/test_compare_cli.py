@@ -102,3 +102,10 @@ def test_bench_launch_refuses_to_run_without_a_gpu(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         bench_launch.main(["--shape", "Qwen3-1.7B"])
     assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_gemm_lists_row_counts_as_runs():
+    from compare.bench_gemm import spans
+
+    assert spans([11, 1, 2, 3, 8, 10]) == "1-3,8,10-11"
+    assert spans([5]) == "5" and spans([]) == ""
