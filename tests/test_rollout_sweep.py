@@ -197,3 +197,9 @@ def test_rows_survive_json(tmp_path):
     sw.append_rows(path, [_row(warm_triton_builds=None)])
     line = path.read_text().splitlines()[0]
     assert json.loads(line)["warm_triton_builds"] is None and list(json.loads(line)) == sorted(json.loads(line))
+
+
+def test_spread_is_a_percentage_of_the_median_and_a_dash_where_undefined():
+    assert sw.spread({"seconds_each": [0.9, 1.0, 1.2]}) == "30.0%"
+    assert sw.spread({"seconds_each": [1.0]}) == "-" and sw.spread({}) == "-"
+    assert sw.spread({"seconds_each": [0.0, 0.0, 0.0001]}) == "-"  # runs that rounded to 0 s: no division by 0
