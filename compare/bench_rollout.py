@@ -324,6 +324,16 @@ def worker_cmd(name: str, args, cases: str, extra: list[str] = ()) -> list[str]:
             "--repeats", str(args.repeats), *extra]
 
 
+def json_rows(lines):
+    """The JSON objects among a worker's stdout lines, as they come (other lines are vLLM's logs)."""
+    for line in lines:
+        if line.startswith("{"):
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
 def stream_rows(cmd: list[str], env: dict, on_row, timeout: float | None = None) -> tuple[int, str, bool]:
     """Run cmd, calling on_row(dict) for every stdout line that is a JSON object as it arrives (other lines
     are vLLM's logs). Kills the process after `timeout` seconds. Returns (exit status, the end of its
@@ -340,13 +350,8 @@ def stream_rows(cmd: list[str], env: dict, on_row, timeout: float | None = None)
         if timer:
             timer.start()
         try:
-            for line in proc.stdout:
-                if line.startswith("{"):
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    on_row(row)
+            for row in json_rows(proc.stdout):
+                on_row(row)
             rc = proc.wait()
         finally:
             if timer:
@@ -413,12 +418,8 @@ class ServedEngine:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self._proc.stdout:
-            if line.startswith("{"):
-                try:
-                    self._rows.put(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+        for row in json_rows(self._proc.stdout):
+            self._rows.put(row)
         self._rows.put(None)  # end of output: the process is gone
 
     def _next(self, kind: str, timeout: float) -> dict:
@@ -428,8 +429,7 @@ class ServedEngine:
             raise EngineFailed(f"{self.name}: no {kind} row within {timeout:.0f} s") from None
         if row is None:
             self._proc.wait()
-            self._err.seek(0)
-            last = (self._err.read().strip().splitlines() or [""])[-1]
+            last = (self.stderr_tail().strip().splitlines() or [""])[-1]
             raise EngineFailed(f"{self.name}: exit {self._proc.returncode}: {last}")
         if row.get("kind") != kind:
             raise EngineFailed(f"{self.name}: expected a {kind} row, got {row}")
@@ -479,15 +479,21 @@ class ServedEngine:
         self._err.close()
 
 
+def memory_share(args, n_engines: int) -> float:
+    """Each engine's gpu_memory_utilization: all of --gpu-memory-utilization, or 1/n_engines of it with --paired
+    (the engines share the GPU)."""
+    return args.gpu_memory_utilization / n_engines if args.paired else args.gpu_memory_utilization
+
+
 def paired_worker_cmd(name: str, args, n_engines: int) -> list[str]:
-    """A `--paired` engine's worker command: the `serve` loop, with 1/n_engines of --gpu-memory-utilization."""
+    """A `--paired` engine's worker command: the `serve` loop, with its `memory_share`."""
     share = argparse.Namespace(**vars(args))
-    share.gpu_memory_utilization = args.gpu_memory_utilization / n_engines
+    share.gpu_memory_utilization = memory_share(args, n_engines)
     return worker_cmd(name, share, "", ["--sweep", "--serve"])
 
 
 def sweep_paired(args, engines: list[str], cells: list[sw.Cell], run_id: str, t_start: float,
-                 size: sw.ModelSize) -> int:
+                 size: sw.ModelSize, rates: sw.Rates) -> int:
     """`--sweep --paired`: every engine built on the GPU at once (one after another, so no two profile its memory
     together), then each cell run by all of them, interleaved (`paired_cell`), while the budget's estimate allows;
     rows appended to the first --results file as each cell completes. A failed engine ends the call (its cell is
@@ -498,7 +504,7 @@ def sweep_paired(args, engines: list[str], cells: list[sw.Cell], run_id: str, t_
     served: dict[str, ServedEngine] = {}
     facts: dict[str, dict] = {}
     cell, failed = None, False
-    print(f"== paired: {', '.join(engines)} at once, {args.gpu_memory_utilization / len(engines):.3f} of the GPU's "
+    print(f"== paired: {', '.join(engines)} at once, {memory_share(args, len(engines)):.3f} of the GPU's "
           f"memory each; {len(cells)} cells", flush=True)
     try:
         for name in engines:
@@ -515,7 +521,7 @@ def sweep_paired(args, engines: list[str], cells: list[sw.Cell], run_id: str, t_
                                                  for n in engines])
                 print(f"   skip {cell}: {reason}", flush=True)
                 continue
-            estimate = len(engines) * sw.cell_seconds(size, sw.Rates(), cell, args.repeats, args.split_prefill)
+            estimate = len(engines) * sw.cell_seconds(size, rates, cell, args.repeats, args.split_prefill)
             if not deadline.allows(time.time(), estimate):
                 print(f"   stop: budget, the next cell ({cell}) estimated at {deadline.scale * estimate:.0f} s", flush=True)
                 cell = None
@@ -594,8 +600,7 @@ def sweep(args, t_start: float) -> int:
     writes = args.model is None and not (Path(args.cache_dir) / f"bench-{args.shape}" / "config.json").is_file()
     budget = args.budget_s - (time.time() - t_start)
     pl = sw.plan(todo, size, rates, budget, len(engines), args.repeats, args.split_prefill,
-                 sw.kv_tokens_estimate(size, rates, args.gpu_memory_utilization / (len(engines) if args.paired else 1)),
-                 write_checkpoint=writes)
+                 sw.kv_tokens_estimate(size, rates, memory_share(args, len(engines))), write_checkpoint=writes)
     print(f"{shape}: grid {len(cells)} cells, {len(done)} done before, {len(todo)} to do; this call: {len(pl.cells)} "
           f"cells (estimate {pl.fixed_s:.0f} s of engine starts{' and checkpoint' if writes else ''} + "
           f"{pl.cells_s:.0f} s of cells, budget {budget:.0f} s); {len(pl.over_budget)} left for a later call; "
@@ -609,7 +614,7 @@ def sweep(args, t_start: float) -> int:
     ensure_model(args)
     run_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{socket.gethostname()}-{os.getpid()}"
     if args.paired:
-        return sweep_paired(args, engines, pl.cells, run_id, t_start, size)
+        return sweep_paired(args, engines, pl.cells, run_id, t_start, size, rates)
     failed = False
     measured: list[sw.Cell] = pl.cells
     for i, name in enumerate(engines):
