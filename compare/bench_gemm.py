@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from compare.rollout_sweep import parse_ints  # noqa: E402
+
 ROWS = (1, 8, 64, 128, 256, 512, 2048, 8192)
 
 
@@ -37,6 +39,16 @@ def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
     from torchtitan_compat.config import hf_config_for_shape, model_args_from_hf_config
 
     return weights_vllm_compat.linear_shapes(model_args_from_hf_config(hf_config_for_shape(shape)))
+
+
+def chosen_layers(parser, shape: str, spec: str | None) -> tuple[dict[str, tuple[int, int]], list[str]]:
+    """(`layer_shapes(shape)`, the names a --layers comma list picks: all by default); an unknown name is the
+    parser's one-line error."""
+    shapes = layer_shapes(shape)
+    layers = spec.split(",") if spec else list(shapes)
+    if set(layers) - set(shapes):
+        parser.error(f"unknown --layers {sorted(set(layers) - set(shapes))}; {shape} has {', '.join(shapes)}")
+    return shapes, layers
 
 
 def graph_us(call, weights: list, reps: int = 10, replays: int = 5) -> float:
@@ -109,8 +121,6 @@ def main(argv=None) -> int:
                         "row counts")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    from compare.rollout_sweep import parse_ints
-
     rows = parse_ints(args.rows, "--rows")
     if args.cublas_as_vllm:  # before the first cuBLAS handle: its workspace settings are read when it is made
         from vllm.model_executor.layers.batch_invariant import enable_batch_invariant_mode
@@ -120,10 +130,7 @@ def main(argv=None) -> int:
     unknown = [c for c in configs if c not in gemm.CONFIGS]
     if unknown:
         p.error(f"unknown --configs {unknown}; known: {', '.join(gemm.CONFIGS)}")
-    shapes = layer_shapes(args.shape)
-    layers = args.layers.split(",") if args.layers else list(shapes)
-    if set(layers) - set(shapes):
-        p.error(f"unknown --layers {sorted(set(layers) - set(shapes))}; {args.shape} has {', '.join(shapes)}")
+    shapes, layers = chosen_layers(p, args.shape, args.layers)
     do_bench = lambda f: triton.testing.do_bench(f, warmup=max(5, args.rep_ms // 4), rep=args.rep_ms,
                                                  return_mode="median") * 1e3
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)

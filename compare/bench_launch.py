@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from compare.bench_gemm import layer_shapes  # noqa: E402
+from compare.bench_gemm import chosen_layers  # noqa: E402
+from compare.rollout_sweep import parse_ints  # noqa: E402
 
 
 def host_us(call, burst: int = 8, samples: int = 40) -> tuple[float, float]:
@@ -66,16 +67,14 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="Qwen3-1.7B")
-    p.add_argument("--rows", default="1,128,200,256,257,320,2064,4112")
+    p.add_argument("--rows", default="1,128,200,256,257,320,2064,4112", help="row counts: integers and ranges")
     p.add_argument("--layers", help="comma list of the shape's GEMMs (default: all, lm_head included)")
     p.add_argument("--json", help="write the rows as JSON here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it times kernel launches)")
-    shapes = layer_shapes(args.shape)
-    layers = args.layers.split(",") if args.layers else list(shapes)
-    if set(layers) - set(shapes):
-        p.error(f"unknown --layers {sorted(set(layers) - set(shapes))}; {args.shape} has {', '.join(shapes)}")
+    shapes, layers = chosen_layers(p, args.shape, args.layers)
+    rows = parse_ints(args.rows, "--rows")
     vllm_patches.apply()
     import vllm.model_executor.layers.linear as vllm_linear
 
@@ -86,7 +85,7 @@ def main(argv=None) -> int:
         n, k = shapes[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wp = vllm_parameter(w)
-        for m in map(int, args.rows.split(",")):
+        for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             engine, ours_gpu = host_us(lambda: engine_gemm(x, wp))
             ours, _ = host_us(lambda: gemm.matmul(x, w))

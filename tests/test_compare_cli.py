@@ -109,3 +109,16 @@ def test_bench_gemm_lists_row_counts_as_runs():
 
     assert spans([11, 1, 2, 3, 8, 10]) == "1-3,8,10-11"
     assert spans([5]) == "5" and spans([]) == ""
+
+
+def test_bench_gemm_and_bench_launch_pick_layers_by_name(capsys):
+    import argparse
+
+    from compare.bench_gemm import chosen_layers
+
+    shapes, layers = chosen_layers(argparse.ArgumentParser(), "Qwen3-1.7B", None)
+    assert layers == list(shapes) and "lm_head" in layers
+    assert chosen_layers(argparse.ArgumentParser(), "Qwen3-1.7B", "o,down")[1] == ["o", "down"]
+    with pytest.raises(SystemExit) as e:
+        chosen_layers(argparse.ArgumentParser(), "Qwen3-1.7B", "o,gate")
+    assert e.value.code == 2 and "unknown --layers ['gate']; Qwen3-1.7B has qkv" in capsys.readouterr().err
