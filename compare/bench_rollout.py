@@ -11,7 +11,8 @@ Each engine runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import):
   ours        spirl.engines.vllm_engine.VLLMEngine as the trainer builds it (VLLM_BATCH_INVARIANT=1,
               its patches, its default CUDA-graph mode); `ours:MODE` picks another mode
               (none = eager, full, full_decode_only, piecewise), `ours@MAX` other capture
-              sizes (`engine_options`: e.g. ours@1024; ours@vllm: vLLM's own)
+              sizes (`engine_options`: e.g. ours@1024; ours@vllm: vLLM's own), `ours+triton` every
+              GEMM on the Triton kernel (SPIRL_GEMM_CUBLAS=0: kernels/gemm_cublas.py; the same bits)
   plain       vllm.LLM with VLLM_BATCH_INVARIANT=0 and vLLM's defaults (torch.compile + CUDA graphs):
               what a user would run instead
 Every engine gets the same --gpu-memory-utilization and generates exactly the case's new tokens per
@@ -62,19 +63,24 @@ GRACE_S = 45.0
 it is killed; the cell in flight is then recorded as failed."""
 
 
+TRITON_ONLY = "+triton"
+"""Engine-name suffix: the engine's GEMMs all on kernels.gemm's Triton kernels (SPIRL_GEMM_CUBLAS=0), not on cuBLAS
+where kernels.gemm_cublas finds it gives their bits."""
+
+
 def engine_options(engine_name: str) -> dict:
     """VLLMEngineConfig fields of an `ours[:MODE][@SIZES]` engine name: MODE a CUDA-graph mode (default: the
     config's), SIZES `vllm` (vLLM's own capture sizes) or a number MAX (`vllm_engine.graph_sizes(MAX)`:
     vLLM's list to 512, then every 256 to MAX); without @, the config's default sizes."""
     from spirl.engines.vllm_engine import CUDA_GRAPH_MODES, VLLMEngineConfig, graph_sizes
 
-    base, at, sizes = engine_name.partition("@")
+    base, at, sizes = engine_name.removesuffix(TRITON_ONLY).partition("@")
     head, _, mode = base.partition(":")
     mode = mode or VLLMEngineConfig.cuda_graphs
     bad_sizes = at and sizes != "vllm" and not (sizes.isdigit() and int(sizes))
     if head != "ours" or mode not in CUDA_GRAPH_MODES or bad_sizes:
-        raise SystemExit(f"error: engine {engine_name!r}: use plain or ours[:MODE][@vllm|@MAX_TOKENS] with MODE one "
-                         f"of {', '.join(CUDA_GRAPH_MODES)} (e.g. ours:full@2048)")
+        raise SystemExit(f"error: engine {engine_name!r}: use plain or ours[:MODE][@vllm|@MAX_TOKENS][{TRITON_ONLY}] "
+                         f"with MODE one of {', '.join(CUDA_GRAPH_MODES)} (e.g. ours:full@2048)")
     opts = {"cuda_graphs": mode}
     if at:
         opts["cuda_graph_sizes"] = None if sizes == "vllm" else graph_sizes(int(sizes))
@@ -245,8 +251,10 @@ def worker(args) -> None:
         free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
         # GPU memory in use once started: vLLM's share (weights + KV cache) plus what it keeps beyond it
         # (CUDA graphs' pool, its context), so two engines with the same share compare their graphs' memory
+        from kernels import gemm_cublas
+
         emit({"kind": "engine", "engine_start_s": round(start, 1), "gpu": gpu,
-              "gpu_used_gib": round((total - free) / 2**30, 2), **facts})
+              "gpu_used_gib": round((total - free) / 2**30, 2), "gemm_checked": gemm_cublas.checked(), **facts})
         if args.serve:
             serve(run, builds, sys.stdin, emit)
             return
@@ -314,6 +322,8 @@ def worker_env(name: str) -> dict:
     env = {**os.environ, "VLLM_BATCH_INVARIANT": "0" if name == "plain" else "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if name.endswith(TRITON_ONLY):
+        env["SPIRL_GEMM_CUBLAS"] = "0"
     return env
 
 

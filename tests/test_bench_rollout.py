@@ -72,7 +72,11 @@ def test_engine_names_pick_graph_mode_and_capture_sizes(tmp_path):
                                                          "cuda_graph_sizes": None}
     assert bench_rollout.engine_options("ours:full_decode_only@1024") == {
         "cuda_graphs": "full_decode_only", "cuda_graph_sizes": graph_sizes(1024)}
-    for bad in ("ourz", "ours:fast", "ours@", "ours@x512", "ours@0", "ours@-5", "ours@128x512"):
+    assert bench_rollout.engine_options("ours@1024+triton") == bench_rollout.engine_options("ours@1024")
+    assert bench_rollout.worker_env("ours+triton")["SPIRL_GEMM_CUBLAS"] == "0"  # the Triton-only engine
+    assert "SPIRL_GEMM_CUBLAS" not in bench_rollout.worker_env("ours") or os.environ.get("SPIRL_GEMM_CUBLAS")
+    for bad in ("ourz", "ours:fast", "ours@", "ours@x512", "ours@0", "ours@-5", "ours@128x512", "ours+cublas",
+                "plain+triton"):
         with pytest.raises(SystemExit, match="error: engine"):
             bench_rollout.engine_options(bad)
     with pytest.raises(SystemExit, match="ours:fast"):  # before any engine starts

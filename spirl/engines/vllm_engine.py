@@ -210,8 +210,12 @@ class VLLMEngine:
         self.asleep = False
         self.start_seconds = time.perf_counter() - t0
         sizes = self.llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes or []
-        log.info("vLLM engine ready in %.1fs (%s, cuda graphs: %s, %d sizes up to %s tokens)", self.start_seconds,
-                 cfg.model_dir, cfg.cuda_graphs, len(sizes), max(sizes, default=0))
+        from kernels import gemm_cublas
+
+        gemms = gemm_cublas.checked()
+        log.info("vLLM engine ready in %.1fs (%s, cuda graphs: %s, %d sizes up to %s tokens; GEMM products on cuBLAS "
+                 "so far: %d, on the Triton kernel for other cuBLAS bits: %d)", self.start_seconds, cfg.model_dir,
+                 cfg.cuda_graphs, len(sizes), max(sizes, default=0), gemms["cublas"], gemms["other_bits"])
 
     @property
     def model(self) -> torch.nn.Module:

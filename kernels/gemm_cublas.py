@@ -1,0 +1,149 @@
+"""The engine's batch-invariant GEMM: cuBLAS wherever it is seen to give `kernels.gemm`'s bits, else `kernels.gemm`.
+
+    y = matmul(x, w)      x [..., K] bf16, w [N, K] bf16, y [..., N]: bitwise `kernels.gemm.matmul(x, w)`
+
+Why cuBLAS can: vLLM 0.26's batch-invariant mode sets cuBLAS up on Hopper without split-K (its
+`enable_batch_invariant_mode`: a 1 KiB cuBLASLt workspace, no reduced-precision reductions, cuBLASLt). Each output
+element is then one fp32 accumulator fed by the tensor cores' MMAs in K order and rounded once to bf16, which is
+what vLLM's Triton kernel computes (kernels/gemm.py's module doc), whatever tiles cuBLAS picks. Measured on an H100
+(session 49, torch 2.11.0+cu130's cuBLAS, `compare/bench_gemm.py --bits-only --cublas-as-vllm`): bitwise equal to
+vLLM's `linear_batch_invariant` in 11,520 of 11,520 (layer, rows) cases at each of Qwen3-1.7B and Qwen3-8B (every
+linear; rows 1-2,048 and every 24th to 8,176). Why it should: at 65-512 rows, a decode step's sizes, cuBLAS was
+up to 1.7x faster than the best Triton tile (`--graph`: 8B gate_up at 272 rows 87 us against 130, 1.7B gate_up
+at 272 rows 25 against 43; docs/rollout-profile.md, issue 39, session 49).
+
+Why it is checked, not assumed: which algorithm cuBLAS runs is its heuristic's choice for each problem (sizes,
+strides, alignment, workspace, GPU, library version), none of which SPIRL pins, and a split-K or two-level
+accumulation would change bits. So each problem (M, N, K, device) is checked the first time `matmul` meets it
+outside CUDA-graph capture: cuBLAS and `kernels.gemm` run on a random x of that shape (a private generator: no
+RNG state of the caller's moves) and the call's own weight, and cuBLAS is used for that problem from then on only
+if `torch.equal` holds; otherwise `kernels.gemm`, logged once. Inside capture an unchecked problem runs
+`kernels.gemm` (vLLM runs each graph's step once eagerly before capturing it: `cudagraph_num_of_warmups` 1). Only
+row-major x and w with 16-byte aligned rows and addresses go to cuBLAS (the layout checked); others run
+`kernels.gemm`. The trainer keeps `kernels.gemm` (its products are thousands of rows, where the two are within a
+few per cent), so the trainer's bits are the engine's by the check above.
+
+Where `kernels.gemm` stays although cuBLAS would give its bits (`triton_faster`): outputs wider than 16,384 at up to
+64 rows (lm_head, where its swapped-operand kernel was 2-7 % faster, and 8B gate_up, even). Off Hopper (capability 9.x) everything runs
+`kernels.gemm`: cuBLAS's bits and speed were measured only there. `SPIRL_GEMM_CUBLAS=0` turns cuBLAS off (to time
+the Triton-only engine; the bits are the same).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kernels import gemm
+
+_log = logging.getLogger(__name__)
+
+_MAX_KEYS = 1 << 16
+"""Checked problems kept before the record starts over (one per distinct (M, N, K, device): prefill lengths x
+linear shapes)."""
+
+_checked: dict[tuple, bool] = {}
+"""(M, N, K, device) -> whether cuBLAS gave kernels.gemm's bits there."""
+
+_generators: dict[torch.device, torch.Generator] = {}
+
+_enabled: dict[int, bool] = {}
+
+
+def enabled(device: torch.device) -> bool:
+    """cuBLAS is tried on this device: a Hopper GPU (where it was measured) and SPIRL_GEMM_CUBLAS not 0 (both read
+    on the device's first call)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    on = _enabled.get(index)
+    if on is None:
+        on = _enabled[index] = (os.environ.get("SPIRL_GEMM_CUBLAS", "1") != "0"
+                                and torch.cuda.get_device_capability(index)[0] == 9)
+    return on
+
+
+def triton_faster(m: int, n: int, k: int) -> bool:
+    """Products where `kernels.gemm` was as fast as cuBLAS or faster (H100, `compare/bench_gemm.py --graph
+    --cublas-as-vllm`, session 49): outputs wider than 16,384 at up to 64 rows, its swapped-operand kernel and
+    64-row tiles: lm_head (8B 407-445 us against 436-454, 1.7B 205-229 against 219-234) and 8B gate_up (24,576
+    wide: 73-76 us against 74-77)."""
+    return m <= 64 and n > 16384
+
+
+def _layout_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == t.shape[1] and t.data_ptr() % 16 == 0
+               and (t.shape[1] * t.element_size()) % 16 == 0 for t in (a, w))
+
+
+def _cublas(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, w.t())
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _random_rows(m: int, k: int, like: torch.Tensor) -> torch.Tensor:
+    gen = _generators.get(like.device)  # a tensor's device: with its index
+    if gen is None:
+        gen = _generators[like.device] = torch.Generator(device=like.device)
+        gen.manual_seed(0)
+    return torch.randn(m, k, device=like.device, dtype=like.dtype, generator=gen)
+
+
+def _check(a: torch.Tensor, w: torch.Tensor) -> bool | None:
+    """Whether cuBLAS gives kernels.gemm's bits for a's shape with weight w; None when that cannot be told
+    (kernels.gemm's output all zero: a zero weight, as before a checkpoint is loaded, proves nothing)."""
+    probe = _random_rows(a.shape[0], a.shape[1], a)
+    ref = gemm.matmul(probe, w)
+    if not torch.any(ref):
+        return None
+    same = torch.equal(_cublas(probe, w), ref)
+    if not same:
+        _log.warning("kernels.gemm_cublas: cuBLAS gave other bits than the batch-invariant kernel for [%d x %d] @ "
+                     "[%d x %d]; that product runs kernels.gemm (same bits as vLLM's, slower)", a.shape[0],
+                     a.shape[1], a.shape[1], w.shape[0])
+    return same
+
+
+def use_cublas(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `matmul` runs this 2-D product on cuBLAS: enabled, cuBLAS not slower here (`triton_faster`), the
+    layout it was checked in, and the problem checked equal (checked now if it is new and we are not capturing a
+    CUDA graph)."""
+    m, k = a.shape
+    n = w.shape[0]
+    if torch.compiler.is_compiling():  # traced once for every M (vLLM's piecewise mode): the Triton kernel
+        return False
+    if not (enabled(a.device) and not triton_faster(m, n, k) and a.dtype == w.dtype == torch.bfloat16
+            and _layout_ok(a, w)):
+        return False
+    key = (m, n, k, a.device)
+    same = _checked.get(key)
+    if same is None:
+        if _capturing():
+            return False  # unchecked: the Triton kernel, whose bits are known
+        same = _check(a, w)
+        if same is None:
+            return False
+        if len(_checked) >= _MAX_KEYS:
+            _checked.clear()
+        _checked[key] = same
+    return same
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w[N, K].T -> [..., N], bitwise `kernels.gemm.matmul(x, w)` (vLLM's batch-invariant linear);
+    on cuBLAS where `use_cublas` says so."""
+    a = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if a.shape[0] == 0 or a.shape[1] != w.shape[-1] or not use_cublas(a, w):
+        return gemm.matmul(x, w)
+    return _cublas(a, w).reshape(*x.shape[:-1], w.shape[0])
+
+
+def checked() -> dict[str, int]:
+    """How many problems were checked and found equal / other (for logs and benchmarks)."""
+    same = sum(_checked.values())
+    return {"cublas": same, "other_bits": len(_checked) - same}
