@@ -1,5 +1,5 @@
 """kernels.gemm_cublas's choice between cuBLAS and kernels.gemm, on CPU with stand-ins for both kernels (the bits
-themselves are tests/gpu/test_gemm_cublas.py's)."""
+themselves are tests/gpu/test_gemm_cublas_gpu.py's)."""
 
 from __future__ import annotations
 
@@ -78,9 +78,13 @@ def test_capture_runs_triton_until_the_product_was_checked_eagerly(route):
 
 
 def test_lm_head_decode_rows_layouts_and_dtypes_stay_on_triton(route):
-    head = bf16(20000, 32)
+    head = bf16(70000, 32)
     assert not gemm_cublas.use_cublas(bf16(64, 32), head)  # triton_faster: the swapped kernel
     assert gemm_cublas.use_cublas(bf16(65, 32), head)
+    assert gemm_cublas.use_cublas(bf16(512, 32), head)
+    assert not gemm_cublas.use_cublas(bf16(513, 32), head)  # vLLM's sampler warm-up size: no check in the profile
+    assert gemm_cublas.use_cublas(bf16(gemm_cublas.MAX_ROWS, 32), bf16(64, 32))
+    assert not gemm_cublas.use_cublas(bf16(gemm_cublas.MAX_ROWS + 1, 32), bf16(64, 32))
     w = bf16(64, 32)
     assert not gemm_cublas.use_cublas(bf16(100, 64)[:, :32], w)  # rows strided: a layout not checked
     assert not gemm_cublas.use_cublas(bf16(100, 32).float(), w.float())
@@ -117,3 +121,11 @@ def test_enabled_only_on_hopper_and_not_when_switched_off(monkeypatch):
     cap["value"] = (9, 0)
     monkeypatch.setenv("SPIRL_GEMM_CUBLAS", "0")
     assert not gemm_cublas.enabled(cuda0)
+
+
+def test_every_graphed_step_may_run_cublas():
+    """MAX_ROWS reaches the engine's largest default CUDA-graph step, so every graphed decode and prefill step's
+    GEMMs may run on cuBLAS."""
+    from spirl.engines.vllm_engine import GRAPH_MAX_TOKENS
+
+    assert gemm_cublas.MAX_ROWS >= GRAPH_MAX_TOKENS
