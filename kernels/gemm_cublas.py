@@ -24,8 +24,8 @@ row-major x and w with 16-byte aligned rows and addresses go to cuBLAS (the layo
 few per cent), so the trainer's bits are the engine's by the check above.
 
 Where `kernels.gemm` stays although cuBLAS would give its bits (`triton_faster`): products of more than 2,048 rows
-(within a few per cent of cuBLAS there; no check during vLLM's memory profile) and lm_head outside 65-512 rows. Off Hopper (capability 9.x) everything runs
-`kernels.gemm`: cuBLAS's bits and speed were measured only there. `SPIRL_GEMM_CUBLAS=0` turns cuBLAS off (to time
+(within a few per cent of cuBLAS there; no check during vLLM's memory profile) and lm_head outside 65-512 rows.
+Off Hopper (capability 9.x) everything runs `kernels.gemm`: cuBLAS's bits and speed were measured only there. `SPIRL_GEMM_CUBLAS=0` turns cuBLAS off (to time
 the Triton-only engine; the bits are the same).
 """
 
@@ -40,12 +40,8 @@ from kernels import gemm
 
 _log = logging.getLogger(__name__)
 
-_MAX_KEYS = 1 << 16
-"""Checked problems kept before the record starts over (one per distinct (M, N, K, device): prefill lengths x
-linear shapes)."""
-
 _checked: dict[tuple, bool] = {}
-"""(M, N, K, device) -> whether cuBLAS gave kernels.gemm's bits there."""
+"""(M, N, K, device) -> whether cuBLAS gave kernels.gemm's bits there: at most MAX_ROWS x the model's linear shapes."""
 
 _generators: dict[torch.device, torch.Generator] = {}
 
@@ -66,17 +62,18 @@ def enabled(device: torch.device) -> bool:
 
 
 MAX_ROWS = 2048
-"""Most rows a product may have to go to cuBLAS: the largest CUDA-graph step (spirl.engines.vllm_engine.GRAPH_MAX_TOKENS).
-Above it (eager prefills, vLLM's 16,384-token profile run) the two were within a few per cent either way (8B 2,048-8,192
-rows: -4..+8 %), and a check there would hold two outputs of up to 16,384 rows at once during vLLM's memory profile:
-session 49 measured the engine's KV cache 0.65 GiB smaller (4,416-4,560 of 8B's tokens) with checks at every size."""
+"""Most rows a product may have to go to cuBLAS: the engine's largest CUDA-graph step (spirl.engines.vllm_engine.
+GRAPH_MAX_TOKENS). Above it (eager prefills, vLLM's 16,384-token profile run) the two were within a few per cent either
+way (8B, 2,048-8,192 rows: -4..+8 %), and a check there would hold two outputs of up to 16,384 rows at once during
+vLLM's memory profile: session 49 measured the engine's KV cache 0.65 GiB smaller (4,416-4,560 of 8B's tokens) with
+checks at every size."""
 
 
 def triton_faster(m: int, n: int, k: int) -> bool:
     """Products left on `kernels.gemm` although cuBLAS would give its bits (H100, `compare/bench_gemm.py --graph
     --cublas-as-vllm`, session 49): more than MAX_ROWS rows; and vocabulary-wide outputs (lm_head, wider than 65,536)
     except at 65-512 rows: at 1-64 rows the swapped-operand kernel was 2-7 % faster (8B 407-445 us against 436-454,
-    1.7B 205-229 against 219-234), at 512-1,024 rows within -4..+3 % (and vLLM's sampler warm-up runs lm_head on
+    1.7B 205-229 against 219-234), at 513-1,024 rows within -4..+3 % (and vLLM's sampler warm-up runs lm_head on
     max_num_seqs rows, 1,024 by default, during its memory profile). At 65-512 rows cuBLAS was up to 1.36x faster."""
     return m > MAX_ROWS or (n > 65536 and not 64 < m <= 512)
 
@@ -136,8 +133,6 @@ def use_cublas(a: torch.Tensor, w: torch.Tensor) -> bool:
         same = _check(a, w)
         if same is None:
             return False
-        if len(_checked) >= _MAX_KEYS:
-            _checked.clear()
         _checked[key] = same
     return same
 
