@@ -25,8 +25,8 @@ few per cent), so the trainer's bits are the engine's by the check above.
 
 Where `kernels.gemm` stays although cuBLAS would give its bits (`triton_faster`): products of more than 2,048 rows
 (within a few per cent of cuBLAS there; no check during vLLM's memory profile) and lm_head outside 65-512 rows.
-Off Hopper (capability 9.x) everything runs `kernels.gemm`: cuBLAS's bits and speed were measured only there. `SPIRL_GEMM_CUBLAS=0` turns cuBLAS off (to time
-the Triton-only engine; the bits are the same).
+Off Hopper (capability 9.x) everything runs `kernels.gemm`: cuBLAS's bits and speed were measured only there.
+`SPIRL_GEMM_CUBLAS=0` turns cuBLAS off (to time the Triton-only engine; the bits are the same).
 """
 
 from __future__ import annotations
