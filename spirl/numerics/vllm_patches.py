@@ -77,8 +77,8 @@ def apply() -> None:
     _patch_qwen3_qk_norm_rope()
     _patch_inprocess_model_inspection()
     _applied = True
-    log.info("vLLM patches applied: residual add + batch-invariant Triton RMSNorm; row-count-tuned GEMM; "
-             "Qwen3 q/k norm + rotary in one pass; Qwen3 model class inspected in-process")
+    log.info("vLLM patches applied: residual add + batch-invariant Triton RMSNorm; row-count-tuned GEMM (cuBLAS where "
+             "checked bitwise equal); Qwen3 q/k norm + rotary in one pass; Qwen3 model class inspected in-process")
 
 
 def _patch_residual_rms_norm() -> None:
