@@ -114,8 +114,8 @@ def main(argv=None) -> int:
                    help="time launches replayed from a CUDA graph, weights from HBM (module doc), not do_bench's")
     p.add_argument("--cublas-as-vllm", action="store_true",
                    help="set cuBLAS up as vLLM's batch-invariant mode does on Hopper (its enable_batch_invariant_mode: "
-                        "no split-K through a 1-byte workspace, no reduced-precision reductions, cuBLASLt) before any "
-                        "GEMM, so that the cublas columns time and check that cuBLAS")
+                        "no split-K through a 1 KiB cuBLASLt workspace, no reduced-precision reductions, cuBLASLt) "
+                        "before any GEMM, so that the cublas columns time and check that cuBLAS")
     p.add_argument("--bits-only", action="store_true",
                    help="check bits (every config, vLLM's kernel, cuBLAS) without timing anything: a sweep of many "
                         "row counts")

@@ -79,8 +79,8 @@ def triton_faster(m: int, n: int, k: int) -> bool:
 
 
 def _layout_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
-    return all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == t.shape[1] and t.data_ptr() % 16 == 0
-               and (t.shape[1] * t.element_size()) % 16 == 0 for t in (a, w))
+    """Dense rows (the row stride is K: the check's key holds no stride) that are 16-byte aligned (`gemm._tma_ok`)."""
+    return a.dim() == w.dim() == 2 and a.stride(0) == a.shape[1] and w.stride(0) == w.shape[1] and gemm._tma_ok(a, w)
 
 
 def _cublas(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -140,7 +140,7 @@ def use_cublas(a: torch.Tensor, w: torch.Tensor) -> bool:
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w[N, K].T -> [..., N], bitwise `kernels.gemm.matmul(x, w)` (vLLM's batch-invariant linear);
     on cuBLAS where `use_cublas` says so."""
-    a = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    a = x.reshape(-1, x.shape[-1])
     if a.shape[0] == 0 or a.shape[1] != w.shape[-1] or not use_cublas(a, w):
         return gemm.matmul(x, w)
     return _cublas(a, w).reshape(*x.shape[:-1], w.shape[0])
