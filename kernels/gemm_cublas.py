@@ -20,11 +20,11 @@ RNG state of the caller's moves) and the call's own weight, and cuBLAS is used f
 if `torch.equal` holds; otherwise `kernels.gemm`, logged once. Inside capture an unchecked problem runs
 `kernels.gemm` (vLLM runs each graph's step once eagerly before capturing it: `cudagraph_num_of_warmups` 1). Only
 row-major x and w with 16-byte aligned rows and addresses go to cuBLAS (the layout checked); others run
-`kernels.gemm`. The trainer keeps `kernels.gemm` (its products are thousands of rows, where the two are within a
-few per cent), so the trainer's bits are the engine's by the check above.
+`kernels.gemm`. The trainer keeps `kernels.gemm` (its products are thousands of rows, where the Triton kernel took
+0.95-1.14x cuBLAS's time), so the trainer's bits are the engine's by the check above.
 
-Where `kernels.gemm` stays although cuBLAS would give its bits (`triton_faster`): products of more than 2,048 rows
-(within a few per cent of cuBLAS there; no check during vLLM's memory profile) and lm_head outside 65-512 rows.
+Where `kernels.gemm` stays although cuBLAS would give its bits (`keep_triton`): products of more than 2,048 rows
+(Triton 0.95-1.14x cuBLAS's time there; no check during vLLM's memory profile) and lm_head outside 65-512 rows.
 Off Hopper (capability 9.x) everything runs `kernels.gemm`: cuBLAS's bits and speed were measured only there.
 `SPIRL_GEMM_CUBLAS=0` turns cuBLAS off (to time the Triton-only engine; the bits are the same).
 """
@@ -63,18 +63,19 @@ def enabled(device: torch.device) -> bool:
 
 MAX_ROWS = 2048
 """Most rows a product may have to go to cuBLAS: the engine's largest CUDA-graph step (spirl.engines.vllm_engine.
-GRAPH_MAX_TOKENS). Above it (eager prefills, vLLM's 16,384-token profile run) the two were within a few per cent either
-way (8B, 2,048-8,192 rows: -4..+8 %), and a check there would hold two outputs of up to 16,384 rows at once during
-vLLM's memory profile: session 49 measured the engine's KV cache 0.65 GiB smaller (4,416-4,560 of 8B's tokens) with
-checks at every size."""
+GRAPH_MAX_TOKENS). Above it (eager prefills, vLLM's 16,384-token profile run) the Triton kernel took 0.95-1.14x
+cuBLAS's time (1.7B and 8B, every linear, at 2,048, 4,096 and 8,192 rows), and a check there would hold two outputs
+of up to 16,384 rows at once during vLLM's memory profile: session 49 measured the engine's KV cache 0.65 GiB
+smaller (4,416-4,560 of 8B's tokens) with checks at every size."""
 
 
-def triton_faster(m: int, n: int, k: int) -> bool:
+def keep_triton(m: int, n: int, k: int) -> bool:
     """Products left on `kernels.gemm` although cuBLAS would give its bits (H100, `compare/bench_gemm.py --graph
     --cublas-as-vllm`, session 49): more than MAX_ROWS rows; and vocabulary-wide outputs (lm_head, wider than 65,536)
     except at 65-512 rows: at 1-64 rows the swapped-operand kernel was 2-7 % faster (8B 407-445 us against 436-454,
-    1.7B 205-229 against 219-234), at 513-1,024 rows within -4..+3 % (and vLLM's sampler warm-up runs lm_head on
-    max_num_seqs rows, 1,024 by default, during its memory profile). At 65-512 rows cuBLAS was up to 1.36x faster."""
+    1.7B 205-229 against 219-234), at 1,024 rows 0.98x (8B) and 1.05x (1.7B) cuBLAS's time (and vLLM's sampler
+    warm-up runs lm_head on max_num_seqs rows, 1,024 by default, during its memory profile). At 65-512 rows cuBLAS
+    was up to 1.36x faster."""
     return m > MAX_ROWS or (n > 65536 and not 64 < m <= 512)
 
 
@@ -115,14 +116,14 @@ def _check(a: torch.Tensor, w: torch.Tensor) -> bool | None:
 
 
 def use_cublas(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `matmul` runs this 2-D product on cuBLAS: enabled, cuBLAS not slower here (`triton_faster`), the
+    """Whether `matmul` runs this 2-D product on cuBLAS: enabled, not left on Triton (`keep_triton`), the
     layout it was checked in, and the problem checked equal (checked now if it is new and we are not capturing a
     CUDA graph)."""
     m, k = a.shape
     n = w.shape[0]
     if torch.compiler.is_compiling():  # traced once for every M (vLLM's piecewise mode): the Triton kernel
         return False
-    if not (enabled(a.device) and not triton_faster(m, n, k) and a.dtype == w.dtype == torch.bfloat16
+    if not (enabled(a.device) and not keep_triton(m, n, k) and a.dtype == w.dtype == torch.bfloat16
             and _layout_ok(a, w)):
         return False
     key = (m, n, k, a.device)

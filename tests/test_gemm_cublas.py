@@ -79,7 +79,7 @@ def test_capture_runs_triton_until_the_product_was_checked_eagerly(route):
 
 def test_lm_head_decode_rows_layouts_and_dtypes_stay_on_triton(route):
     head = bf16(70000, 32)
-    assert not gemm_cublas.use_cublas(bf16(64, 32), head)  # triton_faster: the swapped kernel
+    assert not gemm_cublas.use_cublas(bf16(64, 32), head)  # keep_triton: the swapped kernel
     assert gemm_cublas.use_cublas(bf16(65, 32), head)
     assert gemm_cublas.use_cublas(bf16(512, 32), head)
     assert not gemm_cublas.use_cublas(bf16(513, 32), head)  # vLLM's sampler warm-up size: no check in the profile

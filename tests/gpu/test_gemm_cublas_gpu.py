@@ -69,7 +69,7 @@ def _sweep(shape: str) -> dict:
         torch.cuda.synchronize()
         graphs.append({"phase": phase, "cublas": on_cublas, "checked_after_capture": checked_after,
                        "equal": torch.equal(y, ref)})
-    cublas_products = sum(not gemm_cublas.triton_faster(m, n, k) for n, k in shapes.values() for m in ROWS)
+    cublas_products = sum(not gemm_cublas.keep_triton(m, n, k) for n, k in shapes.values() for m in ROWS)
     return {"wrong": wrong, "other_bits": other, "checked": gemm_cublas.checked(), "graphs": graphs,
             "cublas_products": cublas_products}
 
@@ -102,7 +102,7 @@ def test_cublas_gives_vllms_bits_on_hopper(sweeps, shape):
     got = sweeps[shape]
     assert got["other_bits"] == [], f"{shape}: cuBLAS gave other bits at (M, N, K) {got['other_bits'][:20]}"
     assert got["graphs"][1]["cublas"] is True  # the graph captured after the check recorded cuBLAS
-    # every product that may run on cuBLAS (not kernels.gemm_cublas.triton_faster) was checked and found equal
+    # every product that may run on cuBLAS (not kernels.gemm_cublas.keep_triton) was checked and found equal
     assert got["checked"]["cublas"] == got["cublas_products"] + 1  # + the graph case's product
 
 
