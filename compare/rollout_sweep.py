@@ -415,6 +415,20 @@ class Pair:
         return a / b if a and b else None
 
     @property
+    def pair_ratios(self) -> list[float]:
+        """Run i of `ours` over run i of the reference, for a `--paired` cell (their runs alternate, so
+        run i of each shared the host's minute); empty for an unpaired cell or runs of unequal count."""
+        a, b = self.ours.get("seconds_each") or [], self.plain.get("seconds_each") or []
+        if not (self.ours.get("paired") and self.plain.get("paired")) or len(a) != len(b) or not all(b):
+            return []
+        return [x / y for x, y in zip(a, b)]
+
+    def every_pair_misses(self, goal: float) -> bool:
+        """A paired cell whose every run pair is above `goal`: a miss the host's noise does not explain
+        (a median above it with some pairs below is a miss that noise may have made)."""
+        return bool(self.pair_ratios) and min(self.pair_ratios) > goal
+
+    @property
     def captured(self) -> bool | None:
         return self.cell.batch in self.capture if self.capture else None
 
@@ -471,7 +485,9 @@ def fmt_ratio(x: float | None) -> str:
 
 def report_lines(all_pairs: list[Pair], worst: int = 10, goal: float = GOAL) -> list[str]:
     """Per (label, shape): the cell count, the worst cell, every cell above `goal` (the misses, worst
-    first) and then the rest of the `worst` slowest cells; one line per cell."""
+    first) and then the rest of the `worst` slowest cells; one line per cell. For `--paired` cells the
+    `pairs` column gives the range of the per-run-pair ratios and a miss above `goal` in every pair is
+    flagged `MISS (every pair)`: on a host-bound shape a median can miss by noise alone."""
     lines = []
     groups: dict[tuple[str, str, str], list[Pair]] = {}
     for p in all_pairs:
@@ -480,17 +496,22 @@ def report_lines(all_pairs: list[Pair], worst: int = 10, goal: float = GOAL) -> 
         ranked = sorted(group, key=lambda p: -p.rollout_ratio)
         misses = [p for p in ranked if p.rollout_ratio > goal]
         head = f"{shape}{f' [{label}]' if label else ''}: {engine} / {REFERENCE}, {len(group)} cells"
+        every = sum(p.every_pair_misses(goal) for p in misses)
+        paired = any(p.pair_ratios for p in group)
         lines.append(f"{head}; worst {fmt_ratio(ranked[0].rollout_ratio)} at batch {ranked[0].cell.batch} x prompt "
-                     f"{ranked[0].cell.prompt_len}; {len(misses)} above {goal:.2f}x")
+                     f"{ranked[0].cell.prompt_len}; {len(misses)} above {goal:.2f}x"
+                     + (f" ({every} of them in every run pair)" if paired and misses else ""))
         lines.append(f"  {'batch':>5s} {'prompt':>6s} {'new':>4s} {'ours s':>8s} {'plain s':>8s} {'rollout':>8s} "
-                     f"{'decode':>8s} {'spread':>7s}  capture size")
+                     f"{'decode':>8s} {'spread':>7s} {'pairs':>11s}  capture size")
         shown = misses + [p for p in ranked[:worst] if p not in misses]
         for p in shown:
             cap = {True: "yes", False: "no (padded)", None: "?"}[p.captured]
-            flag = "  MISS" if p.rollout_ratio > goal else ""
+            flag = ("  MISS (every pair)" if p.every_pair_misses(goal) else "  MISS") if p.rollout_ratio > goal else ""
+            pr = p.pair_ratios
+            pairs_col = f"{min(pr):.2f}-{max(pr):.2f}" if pr else "-"
             lines.append(f"  {p.cell.batch:5d} {p.cell.prompt_len:6d} {p.cell.new_tokens:4d} {p.ours['seconds']:8.3f} "
                          f"{p.plain['seconds']:8.3f} {fmt_ratio(p.rollout_ratio):>8s} {fmt_ratio(p.decode_ratio):>8s} "
-                         f"{spread(p.ours):>7s}  {cap}{flag}")
+                         f"{spread(p.ours):>7s} {pairs_col:>11s}  {cap}{flag}")
     return lines
 
 

@@ -181,6 +181,30 @@ def test_report_lists_every_miss_then_the_worst():
     assert "no (padded)" in lines[2] and " yes" in lines[6]
 
 
+def test_paired_report_gives_each_run_pairs_ratio_and_flags_a_miss_in_every_pair():
+    """A paired cell slower in every run pair is told apart from one whose median misses by the host's noise."""
+    rows = [{"kind": "engine", "engine": e, "run_id": "r1", "capture_sizes": sw.capture_sizes()} for e in ("ours", "plain")]
+    each = {320: ([0.85, 0.94, 0.89], [0.67, 0.72, 0.64]),   # every pair 1.27-1.39x
+            65: ([0.40, 0.34, 0.23], [0.23, 0.23, 0.26]),    # median 1.48x, one pair 0.88x
+            128: ([0.50, 0.49, 0.51], [0.50, 0.50, 0.50])}   # 0.98-1.02x
+    for b, (o, pl) in each.items():
+        rows += [_row(b=b, s=sorted(o)[1], seconds_each=o, paired=True),
+                 _row(engine="plain", b=b, s=sorted(pl)[1], seconds_each=pl, paired=True)]
+    got = {p.cell.batch: p for p in sw.pairs(rows)}
+    assert [round(x, 3) for x in got[320].pair_ratios] == [round(0.85 / 0.67, 3), round(0.94 / 0.72, 3), round(0.89 / 0.64, 3)]
+    assert got[320].every_pair_misses(1.05) and not got[65].every_pair_misses(1.05) and not got[128].every_pair_misses(1.05)
+    lines = sw.report_lines(list(got.values()), worst=5, goal=1.05)
+    assert lines[0].endswith("2 above 1.05x (1 of them in every run pair)")
+    by_batch = {ln.split()[0]: ln for ln in lines[2:]}
+    assert by_batch["320"].endswith("MISS (every pair)") and "1.27-1.39" in by_batch["320"]
+    assert by_batch["65"].endswith("  MISS") and "0.88-1.74" in by_batch["65"]
+    assert "0.98-1.02" in by_batch["128"] and "MISS" not in by_batch["128"]
+    # unpaired rows (or unequal run counts) have no pair column and no "every pair" verdict
+    lone = sw.pairs([dict(r, paired=False) for r in rows])
+    assert all(p.pair_ratios == [] for p in lone)
+    assert "(every pair)" not in "\n".join(sw.report_lines(lone, goal=1.05))
+
+
 def test_heatmap_png(tmp_path):
     pytest.importorskip("matplotlib")
     rows = _sweep_rows() + [dict(r, label="after", seconds=r["seconds"] * (0.9 if r["engine"] == "ours" else 1))
