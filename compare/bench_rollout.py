@@ -89,7 +89,14 @@ def engine_options(engine_name: str) -> dict:
 
 def build_llm(engine_name: str, model: str, gpu_memory_utilization: float, max_model_len: int):
     """The vllm.LLM of an engine name: `plain` (vLLM's defaults; the process must have
-    VLLM_BATCH_INVARIANT=0), or `ours[:MODE][@SIZES]` (the trainer's VLLMEngine: `engine_options`)."""
+    VLLM_BATCH_INVARIANT=0), or `ours[:MODE][@SIZES]` (the trainer's VLLMEngine: `engine_options`). Refuses a
+    process whose VLLM_BATCH_INVARIANT is not the engine's (vLLM reads it at import: the engine would not be the
+    one named, e.g. plain vLLM with batch-invariant kernels)."""
+    want = worker_env(engine_name)["VLLM_BATCH_INVARIANT"]
+    if (os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1") != (want == "1"):
+        raise SystemExit(f"error: engine {engine_name!r} needs VLLM_BATCH_INVARIANT={want} in this process "
+                         f"(it is {os.environ.get('VLLM_BATCH_INVARIANT', 'unset')}); run it with "
+                         f"VLLM_BATCH_INVARIANT={want}")
     if engine_name == "plain":
         from vllm import LLM
 

@@ -7,7 +7,8 @@ For each batch (prompt --prompt-len random ids, after a warm-up) it profiles a p
 token) and a whole rollout (--new-tokens tokens), and prints the kernels that take the most GPU
 time in each, with their share of the total; the rollout's minus the prefill's is the decode.
 `--engine plain` is vLLM with its defaults (torch.compile, CUDA graphs), as compare/bench_rollout.py
-builds it: the same table for what a user would run instead.
+builds it: the same table for what a user would run instead. The process's VLLM_BATCH_INVARIANT must be the engine's
+(1 for ours, 0 for plain): refused otherwise.
 Eager mode (`--cuda-graphs none`) shows the same kernels as the graphs replay, without hiding
 any of them inside a graph; with graphs the CPU launch gaps disappear.
 """

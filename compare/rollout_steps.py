@@ -5,21 +5,27 @@ model call and its sampling, for this project's engine or plain vLLM, with an op
     VLLM_BATCH_INVARIANT=0 python compare/rollout_steps.py --engine plain --model DIR --cells 128x16,129x16
 
 A cell is BATCHxPROMPT (random prompt ids, --new-tokens each, as compare/bench_rollout.py times them). Per cell:
-the rollout's seconds (--repeats runs after one warm-up), a prefill alone (one new token), and for the last run
+the rollout's seconds (--repeats runs after one warm-up), a prefill alone (one new token), and for every run
 the engine's steps: the first steps' wall times (the prefill, then the first decode steps), the median of the
 rest, and the host time of `execute_model` (inputs prepared, the forward launched: a CUDA-graph replay, or every
 kernel launched one by one when the step is above the largest graph) and of `sample_tokens` (the logits, the
 sampler). With vLLM's asynchronous scheduling the host prepares step N + 1 while the GPU runs step N, so a step
 whose host time exceeds its GPU time shows up here and not in compare/profile_decode.py's kernel time (session 46:
 an 8B prefill of 2,064 tokens, one above the largest graph, took 67 ms of host time against 53 ms of kernels).
-`--cprofile CELL` adds a cProfile of one rollout of that cell (`--cprofile-new 1`: of its prefill alone).
-Prints one JSON line per cell, then the profiles.
+The GPU time of each model call and each sampling (CUDA events around them on the main stream: the kernels plus
+any wait for the host inside the call, an upper bound on the kernels) tells a step that waits for the GPU from one
+that waits for the host; Python's garbage collections during a run are counted and timed (a collection stalls
+the host, and with it the next step's launch). `--cprofile CELL` adds a cProfile of one rollout of that cell
+(`--cprofile-new 1`: of its prefill alone). Prints one JSON line per cell (every run's summary), then the profiles.
+The engine's batch-invariant mode must be the one its name says (VLLM_BATCH_INVARIANT=1 for ours, 0 for plain):
+the process is refused otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -43,35 +49,61 @@ def parse_cells(text: str) -> list[tuple[int, int]]:
 
 
 def summarize(events: list[tuple]) -> dict:
-    """One rollout's step log -> its summary. Events: ("sched", t, tokens), ("step" | "exec" | "sample", t0, t1)."""
+    """One rollout's step log -> its summary. Events: ("sched", t, tokens), ("step" | "exec" | "sample" | "gc", t0,
+    t1) in seconds, ("gpu_exec" | "gpu_sample", start, end) CUDA events (recorded; synchronized before this runs)."""
     def ms(kind: str) -> list[float]:
+        if kind.startswith("gpu_"):
+            return [e[1].elapsed_time(e[2]) for e in events if e[0] == kind]
         return [1e3 * (e[2] - e[1]) for e in events if e[0] == kind]
 
-    steps, execs, samples = ms("step"), ms("exec"), ms("sample")
+    def median(values: list[float]) -> float | None:
+        return round(statistics.median(values), 3) if values else None
+
+    steps, execs, samples, gcs = ms("step"), ms("exec"), ms("sample"), ms("gc")
     rest = steps[4:]
     return {"steps": len(steps), "tokens_first": [e[2] for e in events if e[0] == "sched"][:3],
             "step_ms_first": [round(s, 2) for s in steps[:4]],
             "step_ms_median_rest": round(statistics.median(rest), 3) if rest else None,
             "step_ms_sum": round(sum(steps), 1),
             "exec_ms_first": [round(s, 2) for s in execs[:2]],
-            "exec_ms_median": round(statistics.median(execs), 3) if execs else None,
-            "sample_ms_median": round(statistics.median(samples), 3) if samples else None}
+            "exec_ms_median": median(execs), "sample_ms_median": median(samples),
+            "gpu_exec_ms_median": median(ms("gpu_exec")[1:]), "gpu_sample_ms_median": median(ms("gpu_sample")[1:]),
+            "gc_collections": len(gcs), "gc_ms_sum": round(sum(gcs), 2)}
 
 
 def instrument(llm, log: list) -> None:
-    """Record each engine step, its scheduled tokens and its model call's and sampling's host times in `log`
-    (vLLM 0.26's in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0, as both engines here run)."""
+    """Record each engine step, its scheduled tokens, its model call's and sampling's host times and GPU times
+    (CUDA events on the current stream, vLLM's main stream) and each garbage collection in `log` (vLLM 0.26's
+    in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0, as both engines here run)."""
+    import torch
+
     core = llm.llm_engine.engine_core.engine_core
     sched, ex = core.scheduler, core.model_executor
     schedule, step, execute, sample = sched.schedule, core.step_fn, ex.execute_model, ex.sample_tokens
 
-    def timed(kind, fn):
+    def timed(kind, fn, gpu=False):
         def run(*args, **kw):
+            if gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
             t = time.perf_counter()
             out = fn(*args, **kw)
             log.append((kind, t, time.perf_counter()))
+            if gpu:
+                end.record()
+                log.append(("gpu_" + kind, start, end))
             return out
         return run
+
+    gc_started: list[float] = []
+
+    def collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_started[:] = [time.perf_counter()]
+        elif gc_started:
+            log.append(("gc", gc_started.pop(), time.perf_counter()))
+
+    gc.callbacks.append(collection)
 
     def scheduled(*args, **kw):
         out = schedule(*args, **kw)
@@ -80,7 +112,7 @@ def instrument(llm, log: list) -> None:
 
     sched.schedule = scheduled
     core.step_fn = timed("step", step)
-    ex.execute_model, ex.sample_tokens = timed("exec", execute), timed("sample", sample)
+    ex.execute_model, ex.sample_tokens = timed("exec", execute, gpu=True), timed("sample", sample, gpu=True)
 
 
 def main(argv=None) -> int:
@@ -120,7 +152,9 @@ def main(argv=None) -> int:
         llm.generate(prompts, params, use_tqdm=False)
         if prof:
             prof.disable()
-        return time.perf_counter() - t, list(log)
+        dt = time.perf_counter() - t
+        torch.cuda.synchronize()  # every recorded CUDA event complete before summarize reads it
+        return dt, list(log)
 
     run(8, 64, 16)  # warm-up
     for batch, prompt in cells:
@@ -129,7 +163,7 @@ def main(argv=None) -> int:
         prefill = [run(batch, prompt, 1)[0] for _ in range(2)]
         print(json.dumps({"engine": args.engine, "batch": batch, "prompt": prompt, "new_tokens": args.new_tokens,
                           "seconds_each": [round(t, 4) for t, _ in runs], "prefill_s": [round(t, 4) for t in prefill],
-                          "last_run": summarize(runs[-1][1])}), flush=True)
+                          "runs": [summarize(events) for _, events in runs]}), flush=True)
     for batch, prompt in profiled:
         new = args.cprofile_new or args.new_tokens
         run(batch, prompt, new)

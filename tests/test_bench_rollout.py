@@ -450,6 +450,8 @@ def test_a_paired_sweep_runs_worker_processes_side_by_side(monkeypatch, tmp_path
 
     real = bench_rollout.paired_worker_cmd
     monkeypatch.setattr(bench_rollout, "paired_worker_cmd", cmd)
+    plain_env = bench_rollout.worker_env("plain")
+    monkeypatch.setattr(bench_rollout, "worker_env", lambda name: plain_env)  # a plain worker: plain's env
     results = tmp_path / "r.jsonl"
     argv = ["--sweep", "--paired", "--model", str(model_dir), "--results", str(results), "--grid-batches", "2,4",
             "--grid-prompts", "16,192", "--repeats", "2", "--label", "p", "--gpu-memory-utilization", "0.8"]
@@ -524,3 +526,19 @@ def test_a_served_worker_dies_with_its_parent(tmp_path):
     while time.time() < end and os.path.exists(f"/proc/{child}") and _state(child, "Z", 0) != "Z":
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{child}") or _state(child, "Z", 0) == "Z"
+
+
+def test_build_llm_refuses_a_process_whose_batch_invariant_mode_is_not_the_engines(monkeypatch):
+    """vLLM reads VLLM_BATCH_INVARIANT at import: plain vLLM in a process with it set would run batch-invariant
+    kernels and be timed as 'plain'. Refused before vLLM is touched."""
+    from compare.bench_rollout import build_llm
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    with pytest.raises(SystemExit, match="engine 'plain' needs VLLM_BATCH_INVARIANT=0"):
+        build_llm("plain", "/nonexistent", 0.8, 128)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    with pytest.raises(SystemExit, match="engine 'ours' needs VLLM_BATCH_INVARIANT=1"):
+        build_llm("ours", "/nonexistent", 0.8, 128)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    with pytest.raises(SystemExit, match=r"needs VLLM_BATCH_INVARIANT=1 in this process \(it is unset\)"):
+        build_llm("ours:full", "/nonexistent", 0.8, 128)

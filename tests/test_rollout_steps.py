@@ -29,6 +29,28 @@ def test_summarize_splits_first_steps_from_the_median_of_the_rest():
 def test_summarize_of_an_empty_log():
     s = summarize([])
     assert s["steps"] == 0 and s["step_ms_median_rest"] is None and s["exec_ms_median"] is None
+    assert s["gpu_exec_ms_median"] is None and s["gc_collections"] == 0 and s["gc_ms_sum"] == 0
+
+
+def test_summarize_gives_gpu_medians_without_the_prefill_and_sums_collections():
+    """GPU times come from (start, end) CUDA events (stand-ins with elapsed_time here); the first model call, the
+    prefill, is left out of the GPU median; each collection's host time is summed."""
+    class Event:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    events = [("gpu_exec", Event(0.0), Event(40.0)), ("gpu_exec", Event(50.0), Event(55.0)),
+              ("gpu_exec", Event(60.0), Event(66.0)), ("gpu_exec", Event(70.0), Event(77.0))]
+    events += [("gpu_sample", Event(0.0), Event(9.0)), ("gpu_sample", Event(10.0), Event(11.0)),
+               ("gpu_sample", Event(20.0), Event(22.0))]
+    events += [("gc", 1.0, 1.004), ("gc", 2.0, 2.0005)]
+    s = summarize(events)
+    assert s["gpu_exec_ms_median"] == 6.0           # 5, 6, 7 ms; the 40 ms prefill left out
+    assert s["gpu_sample_ms_median"] == 1.5         # 1, 2 ms
+    assert s["gc_collections"] == 2 and s["gc_ms_sum"] == 4.5
 
 
 def test_rollout_inputs_draws_fresh_prompts_and_exact_length_params(monkeypatch):
