@@ -63,7 +63,7 @@ def summarize(events: list[tuple]) -> dict:
     rest = steps[4:]
     return {"steps": len(steps), "tokens_first": [e[2] for e in events if e[0] == "sched"][:3],
             "step_ms_first": [round(s, 2) for s in steps[:4]],
-            "step_ms_median_rest": round(statistics.median(rest), 3) if rest else None,
+            "step_ms_median_rest": median(rest),
             "step_ms_sum": round(sum(steps), 1),
             "exec_ms_first": [round(s, 2) for s in execs[:2]],
             "exec_ms_median": median(execs), "sample_ms_median": median(samples),
