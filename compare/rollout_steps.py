@@ -17,6 +17,9 @@ any wait for the host inside the call, an upper bound on the kernels) tells a st
 that waits for the host; Python's garbage collections during a run are counted and timed (a collection stalls
 the host, and with it the next step's launch). `--cprofile CELL` adds a cProfile of one rollout of that cell
 (`--cprofile-new 1`: of its prefill alone). Prints one JSON line per cell (every run's summary), then the profiles.
+`--report OURS PLAIN` reads two such outputs (one per engine, each engine alone in its process) and prints per cell
+the ratio of their GPU time per rollout (an upper bound on the kernels' time) and of their wall time: a cell whose
+wall ratio is the host's noise is judged on the first.
 The engine's batch-invariant mode must be the one its name says (VLLM_BATCH_INVARIANT=1 for ours, 0 for plain):
 the process is refused otherwise.
 """
@@ -68,7 +71,61 @@ def summarize(events: list[tuple]) -> dict:
             "exec_ms_first": [round(s, 2) for s in execs[:2]],
             "exec_ms_median": median(execs), "sample_ms_median": median(samples),
             "gpu_exec_ms_median": median(ms("gpu_exec")[1:]), "gpu_sample_ms_median": median(ms("gpu_sample")[1:]),
+            "gpu_ms_sum": round(sum(ms("gpu_exec")) + sum(ms("gpu_sample")), 2),
             "gc_collections": len(gcs), "gc_ms_sum": round(sum(gcs), 2)}
+
+
+def read_cells(path: str) -> dict[tuple[int, int, int], dict]:
+    """This tool's output (one JSON line per cell among vLLM's log lines) -> {(batch, prompt, new tokens): row}."""
+    cells = {}
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("{"):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "runs" in row:
+                cells[(row["batch"], row["prompt"], row["new_tokens"])] = row
+    if not cells:
+        raise SystemExit(f"error: {path}: no cell rows (this tool's JSON lines, one per cell)")
+    return cells
+
+
+def compare_cells(ours: dict, plain: dict) -> list[dict]:
+    """Per cell both engines ran: the ratio (ours / plain) of the median rollout wall time and of the median GPU
+    time of a rollout (every model call's and sampling's CUDA-event time, summed: kernels plus the host waits
+    inside those calls, so an upper bound on the kernels), the cells in (batch, prompt) order."""
+    out = []
+    for key in sorted(ours.keys() & plain.keys()):
+        o, p = ours[key], plain[key]
+        gpu = []
+        for name, row in (("ours", o), ("plain", p)):
+            sums = [r.get("gpu_ms_sum") for r in row["runs"]]
+            if not sums or None in sums:
+                raise SystemExit(f"error: cell {key[0]}x{key[1]} of {name} has no GPU time per rollout (gpu_ms_sum, "
+                                 "written since session 52): run it again with this tool")
+            gpu.append(statistics.median(sums))
+        wall = [statistics.median(row["seconds_each"]) for row in (o, p)]
+        out.append({"batch": key[0], "prompt": key[1], "new_tokens": key[2], "wall_s": wall, "gpu_ms": gpu,
+                     "wall_ratio": round(wall[0] / wall[1], 3), "gpu_ratio": round(gpu[0] / gpu[1], 3)})
+    return out
+
+
+def report(ours_path: str, plain_path: str, limit: float = 1.05) -> int:
+    rows = compare_cells(read_cells(ours_path), read_cells(plain_path))
+    if not rows:
+        raise SystemExit(f"error: {ours_path} and {plain_path} have no cell in common")
+    print(f"{'batch':>6} {'prompt':>6} {'new':>5}  {'ours GPU ms':>11} {'plain GPU ms':>12} {'GPU ratio':>9}  "
+          f"{'ours s':>7} {'plain s':>7} {'wall ratio':>10}")
+    for r in rows:
+        flag = "  above" if r["gpu_ratio"] > limit else ""
+        print(f"{r['batch']:>6} {r['prompt']:>6} {r['new_tokens']:>5}  {r['gpu_ms'][0]:>11.1f} {r['gpu_ms'][1]:>12.1f} "
+              f"{r['gpu_ratio']:>8.3f}x  {r['wall_s'][0]:>7.3f} {r['wall_s'][1]:>7.3f} {r['wall_ratio']:>9.3f}x{flag}")
+    worst = max(rows, key=lambda r: r["gpu_ratio"])
+    above = [r for r in rows if r["gpu_ratio"] > limit]
+    print(f"{len(rows)} cells; by GPU time worst {worst['gpu_ratio']:.3f}x at {worst['batch']} x {worst['prompt']}, "
+          f"{len(above)} above {limit:.2f}x; by wall time worst {max(r['wall_ratio'] for r in rows):.3f}x")
+    return 0
 
 
 def instrument(llm, log: list) -> None:
@@ -117,9 +174,9 @@ def instrument(llm, log: list) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model")
     p.add_argument("--engine", default="ours", help="ours[:MODE][@SIZES] or plain (compare/bench_rollout.py's names)")
-    p.add_argument("--cells", required=True, help="BATCHxPROMPT,... e.g. 128x16,129x16")
+    p.add_argument("--cells", help="BATCHxPROMPT,... e.g. 128x16,129x16")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=4096,
@@ -128,7 +185,14 @@ def main(argv=None) -> int:
     p.add_argument("--cprofile-new", type=int, default=0,
                    help="new tokens of the profiled rollout (default --new-tokens)")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--report", nargs=2, metavar=("OURS", "PLAIN"),
+                   help="compare two runs of this tool (its stdout saved, one per engine) cell by cell: GPU and wall "
+                        "time ratios; no GPU needed")
     args = p.parse_args(argv)
+    if args.report:
+        return report(*args.report)
+    if not (args.model and args.cells):
+        p.error("--model and --cells are required (or --report OURS PLAIN)")
     cells, profiled = parse_cells(args.cells), parse_cells(args.cprofile) if args.cprofile else []
 
     import torch
