@@ -49,3 +49,90 @@ def test_refuses_to_run_without_a_gpu_or_without_a_task(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         fa3_split.main(["--check", "--splits", "0,4"])
     assert e.value.code == 2 and "within 1-256" in capsys.readouterr().err
+
+
+class StandInFA3:
+    """FA3's two entry points on the CPU for the tool's plumbing (which rows, which keys, which pages), not for
+    its numerics: a row's "output" is its query plus the sum of the values it may see (its sequence's keys up to
+    its own position, by causal bottom-right alignment), its "LSE" the number of those keys. Splits change
+    nothing here, so every check the tool expects equal must come out equal, and every expected difference must
+    not show (those, and only those, are reported as not as expected)."""
+
+    def __init__(self):
+        self.metadata_calls = []
+
+    def get_md(self, b, max_q, max_k, hq, hk, d, used, qkv_dtype=None, cu_seqlens_q=None, page_size=None,
+               causal=True, num_splits=0):
+        md = torch.zeros(4 * ((b + 3) // 4 * 4) + 1, dtype=torch.int32)
+        if num_splits > 1:  # FA3 writes its own split count per sequence here (1 to num_splits)
+            md[fa3_split.split_slot(b)] = torch.arange(b, dtype=torch.int32) % num_splits + 1
+        self.metadata_calls.append(num_splits)
+        return md
+
+    def attn(self, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
+             block_table=None, softmax_scale=None, causal=True, num_splits=0, fa_version=3, return_softmax_lse=True,
+             scheduler_metadata=None):
+        assert causal and fa_version == 3 and return_softmax_lse and (cu_seqlens_k is None) != (seqused_k is None)
+        if num_splits > 1:
+            md = scheduler_metadata
+            b = cu_seqlens_q.numel() - 1
+            assert md is not None and int(md[fa3_split.split_slot(b)].min()) >= 1
+        hq, group = q.shape[1], q.shape[1] // k.shape[-2]
+        out = torch.empty(q.shape, dtype=torch.float32)
+        lse = torch.empty(hq, q.shape[0], dtype=torch.float32)
+        for i in range(cu_seqlens_q.numel() - 1):
+            q0, q1 = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+            if block_table is None:
+                vs = v[int(cu_seqlens_k[i]):int(cu_seqlens_k[i + 1])]
+            else:
+                vs = v[block_table[i].long()].flatten(0, 1)[:int(seqused_k[i])]
+            seen = torch.cumsum(vs.float(), 0).repeat_interleave(group, dim=1)   # [keys, hq, d]
+            last = torch.arange(q1 - q0) + vs.shape[0] - (q1 - q0)             # each row's last visible key
+            assert int(last.min()) >= 0 and q1 - q0 <= max_seqlen_q and vs.shape[0] <= max_seqlen_k
+            out[q0:q1] = q[q0:q1].float() + seen[last]
+            lse[:, q0:q1] = (last + 1).float()
+        return out, lse
+
+
+def test_the_checks_plumbing_on_a_cpu_stand_in():
+    fake = StandInFA3()
+    fa = object.__new__(fa3_split.FA3)
+    fa.torch, fa.attn, fa.get_md, fa.dev = torch, fake.attn, fake.get_md, torch.device("cpu")
+    for S in (1, 4):
+        res = fa3_split.check(fa, 4, 2, S, per=8, cap=8)
+        wrong = sorted(name for name, (holds, expected) in res.items() if holds != expected)
+        if S == 1:
+            assert wrong == [] and not any(name.startswith("entries") for name in res)
+        else:  # the stand-in does not split: exactly the expected differences fail to show
+            assert wrong == ["chunk [1000, 5000) == trainer rows", "chunk [2064, 8300) == trainer rows",
+                             "dynamic (plain vLLM's split counts): among 60 others == trainer rows"]
+            assert all(holds for name, (holds, _) in res.items() if name.startswith("entries"))
+            assert len([n for n in res if n.startswith("entries")]) == 4
+    assert 4 in fake.metadata_calls and 16 in fake.metadata_calls
+
+
+def test_the_cost_tables_plumbing_on_a_cpu_stand_in(monkeypatch):
+    """decode_cost and trainer_cost with the stand-in and the timers replaced (each timed call made once)."""
+    fake = StandInFA3()
+    fa = object.__new__(fa3_split.FA3)
+    fa.torch, fa.attn, fa.get_md, fa.dev = torch, fake.attn, fake.get_md, torch.device("cpu")
+    calls = []
+
+    def once(_torch, fn, iters):
+        calls.append(fn())
+        return 2.0
+
+    monkeypatch.setattr(fa3_split, "graph_us", once)
+    monkeypatch.setattr(fa3_split, "eager_us", once)
+    for name, value in (("synchronize", None), ("reset_peak_memory_stats", None), ("memory_allocated", 0),
+                        ("max_memory_allocated", 3 * 2 ** 20)):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, value=value: value)
+    rows = []
+    fa3_split.decode_cost(fa, 4, 2, [1, 3], [300], [1, 4], 8, 8, lambda **r: rows.append(r))
+    fa3_split.trainer_cost(fa, 4, 2, [(2, 300, 100)], [1, 2], 1, 2, lambda **r: rows.append(r))
+    assert [r["kind"] for r in rows] == ["decode", "decode", "trainer"]
+    assert rows[1]["batch"] == 3 and rows[1]["plain_splits"] == [1, 2, 3] and rows[1]["rule_splits"] == 1
+    assert set(rows[0]) >= {"S1_us", "S4_us", "plain_us"}
+    t = rows[2]
+    assert t["entries"] == 6 and t["prefill_S2_extra_MiB"] == 3.0 and t["completion_entries_us"] == 2.0
+    assert len(calls) == 2 * 3 + 2 + 1  # per decode row: S 1, S 4, plain; two prefills; the entries
