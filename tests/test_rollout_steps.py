@@ -5,6 +5,16 @@ import pytest
 from compare.rollout_steps import parse_cells, summarize
 
 
+class Event:
+    """A CUDA event's stand-in: a timestamp in ms, and elapsed_time to another."""
+
+    def __init__(self, ms):
+        self.ms = ms
+
+    def elapsed_time(self, end):
+        return end.ms - self.ms
+
+
 def test_parse_cells_reads_batch_x_prompt_and_refuses_anything_else():
     assert parse_cells("128x16,129x16") == [(128, 16), (129, 16)]
     for bad in ("", "128", "128x0", "axb", "1x2x3"):
@@ -35,13 +45,6 @@ def test_summarize_of_an_empty_log():
 def test_summarize_gives_gpu_medians_without_the_prefill_and_sums_collections():
     """GPU times come from (start, end) CUDA events (stand-ins with elapsed_time here); the first model call, the
     prefill, is left out of the GPU median; each collection's host time is summed."""
-    class Event:
-        def __init__(self, ms):
-            self.ms = ms
-
-        def elapsed_time(self, end):
-            return end.ms - self.ms
-
     events = [("gpu_exec", Event(0.0), Event(40.0)), ("gpu_exec", Event(50.0), Event(55.0)),
               ("gpu_exec", Event(60.0), Event(66.0)), ("gpu_exec", Event(70.0), Event(77.0))]
     events += [("gpu_sample", Event(0.0), Event(9.0)), ("gpu_sample", Event(10.0), Event(11.0)),
@@ -88,13 +91,6 @@ def _cell_line(batch, prompt, seconds, gpu_sums, new=64):
 
 
 def test_summarize_sums_the_rollouts_gpu_time_prefill_included():
-    class Event:
-        def __init__(self, ms):
-            self.ms = ms
-
-        def elapsed_time(self, end):
-            return end.ms - self.ms
-
     events = [("gpu_exec", Event(0.0), Event(40.0)), ("gpu_exec", Event(50.0), Event(55.0)),
               ("gpu_sample", Event(0.0), Event(9.0)), ("gpu_sample", Event(10.0), Event(11.0))]
     assert summarize(events)["gpu_ms_sum"] == 55.0
