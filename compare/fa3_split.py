@@ -79,6 +79,17 @@ def aligned_entries(prompt_lens, seq_lens, block: int = KV_BLOCK):
     return out
 
 
+def entry_batch(torch, q, seq_starts, ents, dev):
+    """Aligned entries (`aligned_entries`) as one paged varlen call's inputs: their query rows, cu_seqlens_q,
+    seqused_k (each entry sees its sequence's keys up to its end), and each entry's first row in the rows."""
+    rows = torch.cat([q[seq_starts[s] + a:seq_starts[s] + e] for s, a, e in ents])
+    cut = [0]
+    for _, a, e in ents:
+        cut.append(cut[-1] + e - a)
+    used = torch.tensor([e for _, _, e in ents], dtype=torch.int32, device=dev)
+    return rows, torch.tensor(cut, dtype=torch.int32, device=dev), used, cut
+
+
 class FA3:
     """vLLM's FA3 entry points, called as vLLM and this project's trainer call them."""
 
@@ -236,14 +247,10 @@ def entries(fa, hq, hk, static, per, cap, q, k, v, start, lens, cache, width) ->
                 for i in range(len(picks)))
     res["entries: each ruled decode row alone == batched"] = (alone, True)
     ents = aligned_entries(prompts, lens)
-    qt = torch.cat([q[start[s] + a:start[s] + e] for s, a, e in ents])
-    cut = [0]
-    for _, a, e in ents:
-        cut.append(cut[-1] + e - a)
-    used_t = torch.tensor([e for _, _, e in ents], dtype=torch.int32, device=dev)
+    qt, cu_t, used_t, cut = entry_batch(torch, q, start, ents, dev)
     rule_t = length_rule((used_t + KV_BLOCK - 1) // KV_BLOCK, per, min(cap, static))
     ot, lt = fa.paged(qt, cache.kc, cache.vc, cache.table([s for s, _, _ in ents], width), used_t,
-                      torch.tensor(cut, dtype=torch.int32, device=dev), KV_BLOCK, max(lens), static, rule_t, hq, hk)
+                      cu_t, KV_BLOCK, max(lens), static, rule_t, hq, hk)
     at = {}
     for j, (s, a, e) in enumerate(ents):
         for p in range(a, e):
@@ -265,15 +272,7 @@ def graph_us(torch, fn, iters: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / iters
+    return eager_us(torch, graph.replay, iters)
 
 
 def eager_us(torch, fn, iters: int) -> float:
@@ -337,12 +336,7 @@ def trainer_cost(fa, hq, hk, shapes, splits, per, cap, emit):
         cache = PagedCache(torch, [k[i * L:(i + 1) * L] for i in range(nseq)],
                            [v[i * L:(i + 1) * L] for i in range(nseq)], hk, dev)
         ents = aligned_entries([P] * nseq, [L] * nseq)
-        qt = torch.cat([q[s * L + a:s * L + e] for s, a, e in ents])
-        cut = [0]
-        for _, a, e in ents:
-            cut.append(cut[-1] + e - a)
-        cu_t = torch.tensor(cut, dtype=torch.int32, device=dev)
-        used_t = torch.tensor([e for _, _, e in ents], dtype=torch.int32, device=dev)
+        qt, cu_t, used_t, _ = entry_batch(torch, q, range(0, T, L), ents, dev)
         table = cache.table([s for s, _, _ in ents], (L + PAGE - 1) // PAGE)
         rule_t = length_rule((used_t + KV_BLOCK - 1) // KV_BLOCK, per, cap)
         md = fa.metadata(cap, rule_t, KV_BLOCK, L, hq, hk, used_t, cu_t, PAGE)

@@ -94,10 +94,16 @@ class StandInFA3:
         return out, lse
 
 
-def test_the_checks_plumbing_on_a_cpu_stand_in():
+def stand_in():
+    """The tool's FA3 wrapper over the stand-in's two entry points, on the CPU."""
     fake = StandInFA3()
     fa = object.__new__(fa3_split.FA3)
     fa.torch, fa.attn, fa.get_md, fa.dev = torch, fake.attn, fake.get_md, torch.device("cpu")
+    return fake, fa
+
+
+def test_the_checks_plumbing_on_a_cpu_stand_in():
+    fake, fa = stand_in()
     for S in (1, 4):
         res = fa3_split.check(fa, 4, 2, S, per=8, cap=8)
         wrong = sorted(name for name, (holds, expected) in res.items() if holds != expected)
@@ -113,9 +119,7 @@ def test_the_checks_plumbing_on_a_cpu_stand_in():
 
 def test_the_cost_tables_plumbing_on_a_cpu_stand_in(monkeypatch):
     """decode_cost and trainer_cost with the stand-in and the timers replaced (each timed call made once)."""
-    fake = StandInFA3()
-    fa = object.__new__(fa3_split.FA3)
-    fa.torch, fa.attn, fa.get_md, fa.dev = torch, fake.attn, fake.get_md, torch.device("cpu")
+    fake, fa = stand_in()
     calls = []
 
     def once(_torch, fn, iters):
