@@ -10,6 +10,9 @@ the row's own block count when the query tile does not cross a 128-key block (ho
 recomputes each sequence's split count S on the GPU from the whole batch's work
 (flash_prepare_scheduler.cu): not batch invariant. Passing FA3's own scheduler metadata with the
 per-sequence split counts overwritten fixes S per sequence, whatever the batch.
+SPIRL does not use the split (docs/rollout-profile.md, session 53): one that costs prefill nothing covers decode
+rows only, and vLLM also prefills generated rows (a preempted request, earlier turns), so a row's bits would
+depend on how it was computed. This tool keeps the measurement and the FA3 behaviour it relies on reproducible.
 
 --check (torch.equal on out and lse; head configs 16/8, 32/8, 40/8 = Qwen3-0.6B/1.7B, 8B, 14B; S 1-16):
   fixed      decode rows (paged KV, one query each; alone, all together, among 60 other sequences) ==
@@ -19,7 +22,9 @@ per-sequence split counts overwritten fixes S per sequence, whatever the batch.
              starting elsewhere are expected to DIFFER for S > 1 (a tile then spans two KV blocks)
   entries    split count 1 inside the split kernel == the num_splits=1 kernel; the call's static split
              count leaves a row's bits alone; the trainer's completion rows cut into 128-aligned paged
-             entries with S_i = --per/--cap rule of each entry's block count == decode rows with that rule
+             entries with S_i = --per/--cap rule of each entry's block count == decode rows with that rule;
+             the rule's split rows (S > 1) are expected to DIFFER from the same rows computed unsplit, as
+             vLLM recomputes a preempted request's or an earlier turn's generated rows (why SPIRL does not split)
   Exit status 0 only if every expected-equal check holds and every expected difference shows.
 --cost: FA3 decode time per call (CUDA graph replays) for batch x context x S next to plain vLLM's
   (num_splits 32 with FA3's dynamic metadata, as vLLM builds it for CUDA graphs), and the trainer side:
@@ -246,6 +251,10 @@ def entries(fa, hq, hk, static, per, cap, q, k, v, start, lens, cache, width) ->
                                int(used[i]), static, rule[i:i + 1], hq, hk), (dec[0][i:i + 1], dec[1][:, i:i + 1]))
                 for i in range(len(picks)))
     res["entries: each ruled decode row alone == batched"] = (alone, True)
+    split = (rule > 1).nonzero().flatten()
+    rows = torch.tensor([start[s] + p for s, p in picks], device=dev)[split]
+    res["entries: ruled decode rows split (S > 1) == the same rows prefilled unsplit (a recomputation)"] = (
+        _same((dec[0][split], dec[1][:, split]), (plain[0][rows], plain[1][:, rows])), False)
     ents = aligned_entries(prompts, lens)
     qt, cu_t, used_t, cut = entry_batch(torch, q, start, ents, dev)
     rule_t = length_rule((used_t + KV_BLOCK - 1) // KV_BLOCK, per, min(cap, static))
