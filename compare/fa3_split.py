@@ -239,7 +239,8 @@ def entries(fa, hq, hk, static, per, cap, q, k, v, start, lens, cache, width) ->
     prompts = [min(n, p) for n, p in zip(lens, [10, 100, 512, 2049, 3000])]
     picks = [(s, p) for s, n in enumerate(lens) for p in sorted({prompts[s], prompts[s] + 1, 1023, 1024, 2047,
                                                                     2048, 4095, 4096, n - 1}) if prompts[s] <= p < n]
-    q_rows = torch.stack([q[start[s] + p] for s, p in picks])
+    pick_rows = torch.tensor([start[s] + p for s, p in picks], device=dev)
+    q_rows = q[pick_rows]
     used = torch.tensor([p + 1 for _, p in picks], dtype=torch.int32, device=dev)
     rule = length_rule((used + KV_BLOCK - 1) // KV_BLOCK, per, min(cap, static))
     cu1 = torch.arange(len(picks) + 1, dtype=torch.int32, device=dev)
@@ -252,7 +253,7 @@ def entries(fa, hq, hk, static, per, cap, q, k, v, start, lens, cache, width) ->
                 for i in range(len(picks)))
     res["entries: each ruled decode row alone == batched"] = (alone, True)
     split = (rule > 1).nonzero().flatten()
-    rows = torch.tensor([start[s] + p for s, p in picks], device=dev)[split]
+    rows = pick_rows[split]
     res["entries: ruled decode rows split (S > 1) == the same rows prefilled unsplit (a recomputation)"] = (
         _same((dec[0][split], dec[1][:, split]), (plain[0][rows], plain[1][:, rows])), False)
     ents = aligned_entries(prompts, lens)

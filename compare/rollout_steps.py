@@ -111,7 +111,11 @@ def compare_cells(ours: dict, plain: dict) -> list[dict]:
     return out
 
 
-def report(ours_path: str, plain_path: str, limit: float = 1.05) -> int:
+def report(ours_path: str, plain_path: str, limit: float | None = None) -> int:
+    """Print compare_cells' table; a cell above `limit` (default: the sweep's goal, rollout_sweep.GOAL) is flagged."""
+    from compare.rollout_sweep import GOAL
+
+    limit = GOAL if limit is None else limit
     rows = compare_cells(read_cells(ours_path), read_cells(plain_path))
     if not rows:
         raise SystemExit(f"error: {ours_path} and {plain_path} have no cell in common")
