@@ -67,25 +67,22 @@ def compare_rows(ours: dict, plain: dict) -> list[dict]:
 def report(ours_path: str, plain_path: str, limit: float | None = None) -> int:
     """Print compare_rows' table; a cell whose rollout kernel ratio is above `limit` (default: the sweep's goal,
     rollout_sweep.GOAL) is flagged."""
-    from compare.rollout_sweep import GOAL
+    from compare.rollout_sweep import GOAL, print_ratio_table
 
     limit = GOAL if limit is None else limit
     rows = compare_rows(read_rows(ours_path), read_rows(plain_path))
     if not rows:
         raise SystemExit(f"error: {ours_path} and {plain_path} have no profiled rollout in common")
-    print(f"{'batch':>6} {'prompt':>6} {'new':>5}  {'ours ms':>8} {'plain ms':>8} {'ratio':>7}  "
-          f"{'decode ours':>11} {'plain':>7} {'ratio':>7}")
-    for r in rows:
+
+    def line(r: dict) -> str:
         dec = r.get("decode_ms")
         d = (f"{dec[0]:>11.1f} {dec[1]:>7.1f} " + (f"{r['decode_ratio']:>6.3f}x" if r["decode_ratio"] else "      -")
              if dec else f"{'-':>11} {'-':>7} {'-':>7}")
-        flag = "  above" if r["ratio"] > limit else ""
-        print(f"{r['batch']:>6} {r['prompt']:>6} {r['new_tokens']:>5}  {r['rollout_ms'][0]:>8.1f} "
-              f"{r['rollout_ms'][1]:>8.1f} {r['ratio']:>6.3f}x  {d}{flag}")
-    worst = max(rows, key=lambda r: r["ratio"])
-    above = [r for r in rows if r["ratio"] > limit]
-    print(f"{len(rows)} cells; rollout kernel time worst {worst['ratio']:.3f}x at {worst['batch']} x "
-          f"{worst['prompt']}, {len(above)} above {limit:.2f}x")
+        return (f"{r['batch']:>6} {r['prompt']:>6} {r['new_tokens']:>5}  {r['rollout_ms'][0]:>8.1f} "
+                f"{r['rollout_ms'][1]:>8.1f} {r['ratio']:>6.3f}x  {d}")
+
+    print_ratio_table(rows, "ratio", f"{'batch':>6} {'prompt':>6} {'new':>5}  {'ours ms':>8} {'plain ms':>8} "
+                      f"{'ratio':>7}  {'decode ours':>11} {'plain':>7} {'ratio':>7}", line, "rollout kernel time", limit)
     return 0
 
 

@@ -113,22 +113,19 @@ def compare_cells(ours: dict, plain: dict) -> list[dict]:
 
 def report(ours_path: str, plain_path: str, limit: float | None = None) -> int:
     """Print compare_cells' table; a cell above `limit` (default: the sweep's goal, rollout_sweep.GOAL) is flagged."""
-    from compare.rollout_sweep import GOAL
+    from compare.rollout_sweep import GOAL, print_ratio_table
 
     limit = GOAL if limit is None else limit
     rows = compare_cells(read_cells(ours_path), read_cells(plain_path))
     if not rows:
         raise SystemExit(f"error: {ours_path} and {plain_path} have no cell in common")
-    print(f"{'batch':>6} {'prompt':>6} {'new':>5}  {'ours GPU ms':>11} {'plain GPU ms':>12} {'GPU ratio':>9}  "
-          f"{'ours s':>7} {'plain s':>7} {'wall ratio':>10}")
-    for r in rows:
-        flag = "  above" if r["gpu_ratio"] > limit else ""
-        print(f"{r['batch']:>6} {r['prompt']:>6} {r['new_tokens']:>5}  {r['gpu_ms'][0]:>11.1f} {r['gpu_ms'][1]:>12.1f} "
-              f"{r['gpu_ratio']:>8.3f}x  {r['wall_s'][0]:>7.3f} {r['wall_s'][1]:>7.3f} {r['wall_ratio']:>9.3f}x{flag}")
-    worst = max(rows, key=lambda r: r["gpu_ratio"])
-    above = [r for r in rows if r["gpu_ratio"] > limit]
-    print(f"{len(rows)} cells; by GPU time worst {worst['gpu_ratio']:.3f}x at {worst['batch']} x {worst['prompt']}, "
-          f"{len(above)} above {limit:.2f}x; by wall time worst {max(r['wall_ratio'] for r in rows):.3f}x")
+    print_ratio_table(
+        rows, "gpu_ratio", f"{'batch':>6} {'prompt':>6} {'new':>5}  {'ours GPU ms':>11} {'plain GPU ms':>12} "
+        f"{'GPU ratio':>9}  {'ours s':>7} {'plain s':>7} {'wall ratio':>10}",
+        lambda r: f"{r['batch']:>6} {r['prompt']:>6} {r['new_tokens']:>5}  {r['gpu_ms'][0]:>11.1f} "
+                  f"{r['gpu_ms'][1]:>12.1f} {r['gpu_ratio']:>8.3f}x  {r['wall_s'][0]:>7.3f} {r['wall_s'][1]:>7.3f} "
+                  f"{r['wall_ratio']:>9.3f}x",
+        "by GPU time", limit, f"; by wall time worst {max(r['wall_ratio'] for r in rows):.3f}x")
     return 0
 
 

@@ -20,6 +20,7 @@ import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 # -- the grid -----------------------------------------------------------------------------------------
 
@@ -481,6 +482,20 @@ GOAL = 1.05
 
 def fmt_ratio(x: float | None) -> str:
     return f"{x:.3f}x" if x is not None else "-"
+
+
+def print_ratio_table(rows: list[dict], key: str, header: str, line: Callable[[dict], str], what: str,
+                      limit: float = GOAL, tail: str = "") -> None:
+    """Two engines' measurements side by side, one row per cell (compare/rollout_steps.py and
+    compare/profile_decode.py `--report`): the header, `line(row)` for each row (flagged `above` where its `key`
+    ratio is above `limit`), then the worst row by `key` and how many are above `limit`; `tail` ends that line."""
+    print(header)
+    for r in rows:
+        print(line(r) + ("  above" if r[key] > limit else ""))
+    worst = max(rows, key=lambda r: r[key])
+    above = sum(r[key] > limit for r in rows)
+    print(f"{len(rows)} cells; {what} worst {worst[key]:.3f}x at {worst['batch']} x {worst['prompt']}, "
+          f"{above} above {limit:.2f}x{tail}")
 
 
 def report_lines(all_pairs: list[Pair], worst: int = 10, goal: float = GOAL) -> list[str]:
