@@ -27,6 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from compare.rollout_sweep import parse_ints  # noqa: E402
+
 
 def read_rows(path: str) -> dict[tuple[int, int, int], dict[str, float]]:
     """A `--json` file -> {(batch, prompt, the rollout's new tokens): {"prefill": kernel ms, "rollout": kernel ms}}
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model")
     p.add_argument("--engine", default="ours", choices=["ours", "plain"])
-    p.add_argument("--batches", default="8,64")
+    p.add_argument("--batches", default="8,64", help="batch sizes: integers and ranges, e.g. 1,8,64-66")
     p.add_argument("--prompt-len", default="512", help="prompt lengths, comma separated (one engine serves them)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--cuda-graphs", default=None, help="ours only: the engine's graph mode (default the engine's)")
@@ -104,13 +106,7 @@ def main(argv=None) -> int:
         return report(*args.report)
     if not args.model:
         p.error("--model is required (or --report OURS PLAIN)")
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-        prompt_lens = [int(n) for n in args.prompt_len.split(",")]
-    except ValueError:
-        p.error("--batches and --prompt-len take comma-separated positive integers, e.g. --prompt-len 16,128")
-    if min(batches + prompt_lens) < 1:
-        p.error("--batches and --prompt-len take comma-separated positive integers, e.g. --prompt-len 16,128")
+    batches, prompt_lens = parse_ints(args.batches, "--batches"), parse_ints(args.prompt_len, "--prompt-len")
 
     import torch
     from torch.profiler import ProfilerActivity, profile
