@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compare.rollout_sweep import parse_ints  # noqa: E402
+from compare.rollout_sweep import GOAL, parse_ints, print_ratio_table  # noqa: E402
 
 
 def read_rows(path: str) -> dict[tuple[int, int, int], dict[str, float]]:
@@ -66,12 +66,8 @@ def compare_rows(ours: dict, plain: dict) -> list[dict]:
     return out
 
 
-def report(ours_path: str, plain_path: str, limit: float | None = None) -> int:
-    """Print compare_rows' table; a cell whose rollout kernel ratio is above `limit` (default: the sweep's goal,
-    rollout_sweep.GOAL) is flagged."""
-    from compare.rollout_sweep import GOAL, print_ratio_table
-
-    limit = GOAL if limit is None else limit
+def report(ours_path: str, plain_path: str, limit: float = GOAL) -> int:
+    """Print compare_rows' table; a cell whose rollout kernel ratio is above `limit` (the sweep's goal) is flagged."""
     rows = compare_rows(read_rows(ours_path), read_rows(plain_path))
     if not rows:
         raise SystemExit(f"error: {ours_path} and {plain_path} have no profiled rollout in common")
@@ -83,8 +79,9 @@ def report(ours_path: str, plain_path: str, limit: float | None = None) -> int:
         return (f"{r['batch']:>6} {r['prompt']:>6} {r['new_tokens']:>5}  {r['rollout_ms'][0]:>8.1f} "
                 f"{r['rollout_ms'][1]:>8.1f} {r['ratio']:>6.3f}x  {d}")
 
-    print_ratio_table(rows, "ratio", f"{'batch':>6} {'prompt':>6} {'new':>5}  {'ours ms':>8} {'plain ms':>8} "
-                      f"{'ratio':>7}  {'decode ours':>11} {'plain':>7} {'ratio':>7}", line, "rollout kernel time", limit)
+    header = (f"{'batch':>6} {'prompt':>6} {'new':>5}  {'ours ms':>8} {'plain ms':>8} {'ratio':>7}  "
+              f"{'decode ours':>11} {'plain':>7} {'ratio':>7}")
+    print_ratio_table(rows, "ratio", header, line, "rollout kernel time", limit)
     return 0
 
 

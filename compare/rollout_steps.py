@@ -39,6 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from compare.rollout_sweep import GOAL, print_ratio_table  # noqa: E402
+
 
 def parse_cells(text: str) -> list[tuple[int, int]]:
     """'128x16,129x16' -> [(128, 16), (129, 16)] (batch, prompt tokens)."""
@@ -111,11 +113,8 @@ def compare_cells(ours: dict, plain: dict) -> list[dict]:
     return out
 
 
-def report(ours_path: str, plain_path: str, limit: float | None = None) -> int:
-    """Print compare_cells' table; a cell above `limit` (default: the sweep's goal, rollout_sweep.GOAL) is flagged."""
-    from compare.rollout_sweep import GOAL, print_ratio_table
-
-    limit = GOAL if limit is None else limit
+def report(ours_path: str, plain_path: str, limit: float = GOAL) -> int:
+    """Print compare_cells' table; a cell above `limit` (the sweep's goal) is flagged."""
     rows = compare_cells(read_cells(ours_path), read_cells(plain_path))
     if not rows:
         raise SystemExit(f"error: {ours_path} and {plain_path} have no cell in common")
