@@ -15,8 +15,13 @@ stream. This kernel computes, per row:
   * out = bf16((float(r) * inv_rms) * float(w)), vLLM's step 3.
 
 The second loop recomputes r from x and the old residual (each program reads a column before it
-writes it, with the same layout), then stores r and out. `tests/gpu/test_ops_vs_vllm.py` proves
-both outputs equal to the two kernels', bit for bit.
+writes it, with the same layout), then stores r and out. Both loops are unrolled over the row's
+blocks (`NUM_BLOCKS`, a constexpr: one compile per hidden size), so a block's loads need not wait
+for the previous block's reduction: the same operations in the same order. Measured on an H200
+(session 55, CUDA-graph replays): 5-12 % less time a call at 1-256 rows of 2,048-5,120 (2,048 wide,
+1 row: 1.99 us against 2.10), 2,048 rows of 4,096 10 % more (16.1 us against 14.6), of 5,120 13 %
+less; in a Qwen3-1.7B rollout at batch 1 2.61 us a call against 2.93 (56 calls a decode step).
+`tests/gpu/test_ops_vs_vllm.py` proves both outputs equal to the two kernels', bit for bit.
 """
 
 from __future__ import annotations
@@ -33,15 +38,15 @@ VLLM_NORM_BLOCK = 1024
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_stride, n_cols, eps,
-                         BLOCK_SIZE: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     res_row = res_ptr + row * res_stride
     dtype = res_ptr.dtype.element_ty
 
     sum_sq = tl.zeros([1], dtype=tl.float32)
-    for col_offset in range(0, n_cols, BLOCK_SIZE):
-        col_idx = col_offset + tl.arange(0, BLOCK_SIZE)
+    for block in tl.static_range(NUM_BLOCKS):
+        col_idx = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         mask = col_idx < n_cols
         r = (tl.load(x_row + col_idx, mask=mask, other=0.0).to(tl.float32)
              + tl.load(res_row + col_idx, mask=mask, other=0.0).to(tl.float32)).to(dtype)
@@ -52,8 +57,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, o
     rms = tl.sqrt(mean_sq + eps)
     inv_rms = 1.0 / rms
 
-    for col_offset in range(0, n_cols, BLOCK_SIZE):
-        col_idx = col_offset + tl.arange(0, BLOCK_SIZE)
+    for block in tl.static_range(NUM_BLOCKS):
+        col_idx = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         mask = col_idx < n_cols
         r = (tl.load(x_row + col_idx, mask=mask, other=0.0).to(tl.float32)
              + tl.load(res_row + col_idx, mask=mask, other=0.0).to(tl.float32)).to(dtype)
@@ -79,5 +84,5 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if rows:
         launch(_add_rms_norm_kernel, (rows, 1, 1),
                (x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n, eps),
-               {"BLOCK_SIZE": VLLM_NORM_BLOCK})
+               {"BLOCK_SIZE": VLLM_NORM_BLOCK, "NUM_BLOCKS": triton.cdiv(n, VLLM_NORM_BLOCK)})
     return out

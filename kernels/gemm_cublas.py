@@ -24,7 +24,9 @@ row-major x and w with 16-byte aligned rows and addresses go to cuBLAS (the layo
 0.95-1.14x cuBLAS's time), so the trainer's bits are the engine's by the check above.
 
 Where `kernels.gemm` stays although cuBLAS would give its bits (`keep_triton`): products of more than 2,048 rows
-(Triton 0.95-1.14x cuBLAS's time there; no check during vLLM's memory profile) and lm_head outside 65-512 rows.
+(Triton 0.95-1.14x cuBLAS's time there; no check during vLLM's memory profile) and lm_head above 512 rows. Where
+the faster of the two depends on the GPU (`timed`: lm_head at 1-64 rows), the check also times both on the GPU it
+runs on and cuBLAS is used only if it was faster there (`_gpu_us`).
 Off Hopper (capability 9.x) everything runs `kernels.gemm`: cuBLAS's bits and speed were measured only there.
 `SPIRL_GEMM_CUBLAS=0` turns cuBLAS off (to time the Triton-only engine; the bits are the same).
 """
@@ -40,8 +42,16 @@ from kernels import gemm
 
 _log = logging.getLogger(__name__)
 
-_checked: dict[tuple, bool] = {}
-"""(M, N, K, device) -> whether cuBLAS gave kernels.gemm's bits there: at most MAX_ROWS x the model's linear shapes."""
+CUBLAS, OTHER_BITS, SLOWER = "cublas", "other_bits", "triton_faster"
+"""What a check found for a product: cuBLAS gave kernels.gemm's bits (and, where `timed`, was faster); cuBLAS gave
+other bits; cuBLAS gave the same bits but was slower on this GPU (`timed` products only)."""
+
+_checked: dict[tuple, str] = {}
+"""(M, N, K, device) -> what the check found (CUBLAS, OTHER_BITS, SLOWER): at most MAX_ROWS x the model's linear
+shapes. Only CUBLAS runs cuBLAS."""
+
+_timings: dict[tuple, tuple[float, float]] = {}
+"""(M, N, K, device) -> (cuBLAS, kernels.gemm) microseconds a call, for the `timed` products checked so far."""
 
 _generators: dict[torch.device, torch.Generator] = {}
 
@@ -69,14 +79,32 @@ of up to 16,384 rows at once during vLLM's memory profile: session 49 measured t
 smaller (4,416-4,560 of 8B's tokens) with checks at every size."""
 
 
+VOCAB_WIDE = 65536
+"""Outputs wider than this are vocabulary-wide (lm_head; Qwen3's is 151,936): `keep_triton` and `timed` rules."""
+
+TIMED_ROWS = 64
+"""Most rows of a `timed` product."""
+
+
 def keep_triton(m: int, n: int, k: int) -> bool:
     """Products left on `kernels.gemm` although cuBLAS would give its bits (H100, `compare/bench_gemm.py --graph
-    --cublas-as-vllm`, session 49): more than MAX_ROWS rows; and vocabulary-wide outputs (lm_head, wider than 65,536)
-    except at 65-512 rows: at 1-64 rows the swapped-operand kernel was 2-7 % faster (8B 407-445 us against 436-454,
-    1.7B 205-229 against 219-234), at 1,024 rows 0.98x (8B) and 1.05x (1.7B) cuBLAS's time (and vLLM's sampler
-    warm-up runs lm_head on max_num_seqs rows, 1,024 by default, during its memory profile). At 65-512 rows cuBLAS
-    was up to 1.36x faster."""
-    return m > MAX_ROWS or (n > 65536 and not 64 < m <= 512)
+    --cublas-as-vllm`, session 49): more than MAX_ROWS rows; and vocabulary-wide outputs above 512 rows: at 1,024
+    rows the Triton kernel took 0.98x (8B) and 1.05x (1.7B) cuBLAS's time, and vLLM's sampler warm-up runs lm_head
+    on max_num_seqs rows (1,024 by default) during its memory profile. At 65-512 rows cuBLAS was up to 1.36x faster
+    on the H100 (at 1-64 rows see `timed`)."""
+    return m > MAX_ROWS or (n > VOCAB_WIDE and m > 512)
+
+
+def timed(m: int, n: int, k: int) -> bool:
+    """Products where the faster of cuBLAS and `kernels.gemm` is measured on the GPU at hand, at the check: lm_head
+    at 1-64 rows. There the GPUs disagree (`compare/bench_gemm.py --layers lm_head --graph --cublas-as-vllm`): on an
+    H100 the swapped-operand Triton kernel was 2-7 % faster than cuBLAS (session 49: 8B 407-445 us against 436-454,
+    1.7B 205-229 against 219-234), on an H200 0-17 % slower (session 54: 1.7B at 1 / 2 / 8 rows 157.8 / 167.7 / 169.2
+    us against 144.4 / 145.9 / 146.8; 8B at 32 / 64 rows 324.5 / 349.1 against 295.2 / 298.8). Timed this way at
+    every row count 1-64 on an H200 (session 55, tests/gpu/test_gemm_cublas_gpu.py): cuBLAS faster at all 64 at
+    1.7B (149-160 us against 160-183), at 2-64 at 8B (296-311 against 306-349), kernels.gemm at 8B's 1 row (291 against
+    296); the engine then picks per row count on whichever GPU it runs."""
+    return n > VOCAB_WIDE and m <= TIMED_ROWS and not keep_triton(m, n, k)
 
 
 def _layout_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -100,25 +128,66 @@ def _random_rows(m: int, k: int, like: torch.Tensor) -> torch.Tensor:
     return torch.randn(m, k, device=like.device, dtype=like.dtype, generator=gen)
 
 
-def _check(a: torch.Tensor, w: torch.Tensor) -> bool | None:
-    """Whether cuBLAS gives kernels.gemm's bits for a's shape with weight w; None when that cannot be told
-    (kernels.gemm's output all zero: a zero weight, as before a checkpoint is loaded, proves nothing)."""
-    probe = _random_rows(a.shape[0], a.shape[1], a)
+HOLD_CYCLES = 4_000_000
+"""GPU clock cycles `torch.cuda._sleep` holds the stream before a timed batch of calls (about 2 ms on an H100 or
+H200): longer than the host takes to queue TIMING_CALLS launches (Triton's up to about 90 us each), so the batch
+runs back to back and its events measure GPU time only, whatever the host's load. (`torch.cuda._sleep` is torch's
+own spin kernel for this, private but long-standing; its tests use it the same way.)"""
+
+TIMING_CALLS = 5
+TIMING_ROUNDS = 3
+"""A timed product runs TIMING_CALLS calls of each kernel per round, the two alternating, for TIMING_ROUNDS rounds;
+each kernel's best round counts (a few ms per product, once per row count)."""
+
+
+def _gpu_us(fn, calls: int = TIMING_CALLS) -> float:
+    """GPU microseconds a call of fn (queued behind a held stream: HOLD_CYCLES)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(HOLD_CYCLES)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / calls
+
+
+def _time_both(probe: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
+    """(cuBLAS, kernels.gemm) microseconds a call on this product on this GPU, each its best of TIMING_ROUNDS."""
+    cublas, triton = [], []
+    for _ in range(TIMING_ROUNDS):
+        cublas.append(_gpu_us(lambda: _cublas(probe, w)))
+        triton.append(_gpu_us(lambda: gemm.matmul(probe, w)))
+    return min(cublas), min(triton)
+
+
+def _check(a: torch.Tensor, w: torch.Tensor) -> str | None:
+    """What cuBLAS does for a's shape with weight w (CUBLAS, OTHER_BITS or, for a `timed` product, SLOWER); None when
+    that cannot be told (kernels.gemm's output all zero: a zero weight, as before a checkpoint is loaded, proves
+    nothing)."""
+    m, k = a.shape
+    n = w.shape[0]
+    probe = _random_rows(m, k, a)
     ref = gemm.matmul(probe, w)
     if not torch.any(ref):
         return None
-    same = torch.equal(_cublas(probe, w), ref)
-    if not same:
+    if not torch.equal(_cublas(probe, w), ref):
         _log.warning("kernels.gemm_cublas: cuBLAS gave other bits than the batch-invariant kernel for [%d x %d] @ "
-                     "[%d x %d]; that product runs kernels.gemm (same bits as vLLM's, slower)", a.shape[0],
-                     a.shape[1], a.shape[1], w.shape[0])
-    return same
+                     "[%d x %d]; that product runs kernels.gemm (same bits as vLLM's, slower)", m, k, k, n)
+        return OTHER_BITS
+    if not timed(m, n, k):
+        return CUBLAS
+    us = _timings[(m, n, k, a.device)] = _time_both(probe, w)
+    found = CUBLAS if us[0] < us[1] else SLOWER
+    _log.info("kernels.gemm_cublas: [%d x %d] @ [%d x %d] takes %.1f us on cuBLAS, %.1f on kernels.gemm: %s", m, k, k,
+              n, us[0], us[1], "cuBLAS" if found == CUBLAS else "kernels.gemm")
+    return found
 
 
 def use_cublas(a: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `matmul` runs this 2-D product on cuBLAS: enabled, not left on Triton (`keep_triton`), the
-    layout it was checked in, and the problem checked equal (checked now if it is new and we are not capturing a
-    CUDA graph)."""
+    layout it was checked in, and the problem checked equal (and, where `timed`, faster; checked now if it is new and
+    we are not capturing a CUDA graph)."""
     m, k = a.shape
     n = w.shape[0]
     if torch.compiler.is_compiling():  # traced once for every M (vLLM's piecewise mode): the Triton kernel
@@ -127,15 +196,15 @@ def use_cublas(a: torch.Tensor, w: torch.Tensor) -> bool:
             and _layout_ok(a, w)):
         return False
     key = (m, n, k, a.device)
-    same = _checked.get(key)
-    if same is None:
+    found = _checked.get(key)
+    if found is None:
         if _capturing():
             return False  # unchecked: the Triton kernel, whose bits are known
-        same = _check(a, w)
-        if same is None:
+        found = _check(a, w)
+        if found is None:
             return False
-        _checked[key] = same
-    return same
+        _checked[key] = found
+    return found == CUBLAS
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -148,6 +217,6 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def checked() -> dict[str, int]:
-    """How many problems were checked and found equal / other (for logs and benchmarks)."""
-    same = sum(_checked.values())
-    return {"cublas": same, "other_bits": len(_checked) - same}
+    """How many problems were checked, by what was found (CUBLAS, OTHER_BITS, SLOWER; for logs and benchmarks)."""
+    found = list(_checked.values())
+    return {name: found.count(name) for name in (CUBLAS, OTHER_BITS, SLOWER)}

@@ -214,8 +214,9 @@ class VLLMEngine:
 
         gemms = gemm_cublas.checked()
         log.info("vLLM engine ready in %.1fs (%s, cuda graphs: %s, %d sizes up to %s tokens; GEMM products on cuBLAS "
-                 "so far: %d, on the Triton kernel for other cuBLAS bits: %d)", self.start_seconds, cfg.model_dir,
-                 cfg.cuda_graphs, len(sizes), max(sizes, default=0), gemms["cublas"], gemms["other_bits"])
+                 "so far: %d, on the Triton kernel for other cuBLAS bits: %d, timed faster there: %d)",
+                 self.start_seconds, cfg.model_dir, cfg.cuda_graphs, len(sizes), max(sizes, default=0),
+                 gemms["cublas"], gemms["other_bits"], gemms["triton_faster"])
 
     @property
     def model(self) -> torch.nn.Module:

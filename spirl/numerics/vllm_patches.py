@@ -26,7 +26,8 @@ Patch 2 - the batch-invariant linear layers' GEMM (vLLM 0.26.0, `VLLM_BATCH_INVA
     bits). The trainer's linear layers run the same kernel. On Hopper the engine runs cuBLAS instead
     wherever cuBLAS, set up without split-K as vLLM's batch-invariant mode sets it up there, is checked
     to give that kernel's bits for the product (`kernels.gemm_cublas`: up to 1.7x faster at a decode
-    step's 65-512 rows; each (M, N, K) checked on its first eager call).
+    step's 65-512 rows; each (M, N, K) checked on its first eager call, and lm_head at 1-64 rows also timed
+    against that kernel there, since which is faster depends on the GPU).
     What: the name `linear_batch_invariant` in vLLM's `linear` and `vocab_parallel_embedding`
     modules (where `UnquantizedLinearMethod.apply` and `UnquantizedEmbeddingMethod.apply` look it
     up) is rebound to a function of the same signature that calls `kernels.gemm_cublas.matmul` on the weight's plain

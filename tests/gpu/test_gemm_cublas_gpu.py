@@ -45,7 +45,7 @@ def _sweep(shape: str) -> dict:
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
             if not torch.equal(gemm_cublas.matmul(x, w), linear_batch_invariant(x, w)):
                 wrong.append([name, m])
-    other = [[m, n, k] for (m, n, k, _), same in gemm_cublas._checked.items() if not same]
+    other = [[m, n, k] for (m, n, k, _), found in gemm_cublas._checked.items() if found == gemm_cublas.OTHER_BITS]
 
     # a CUDA graph captured before the product was checked (Triton) and after (cuBLAS): vLLM's bits on replay
     from kernels import gemm
@@ -70,8 +70,10 @@ def _sweep(shape: str) -> dict:
         graphs.append({"phase": phase, "cublas": on_cublas, "checked_after_capture": checked_after,
                        "equal": torch.equal(y, ref)})
     cublas_products = sum(not gemm_cublas.keep_triton(m, n, k) for n, k in shapes.values() for m in ROWS)
+    timings = [[m, n, k, *us] for (m, n, k, _), us in gemm_cublas._timings.items()]
+    timed = sum(gemm_cublas.timed(m, n, k) for n, k in shapes.values() for m in ROWS)
     return {"wrong": wrong, "other_bits": other, "checked": gemm_cublas.checked(), "graphs": graphs,
-            "cublas_products": cublas_products}
+            "cublas_products": cublas_products, "timings": timings, "timed_products": timed}
 
 
 def _run(shape: str) -> dict:
@@ -102,8 +104,27 @@ def test_cublas_gives_vllms_bits_on_hopper(sweeps, shape):
     got = sweeps[shape]
     assert got["other_bits"] == [], f"{shape}: cuBLAS gave other bits at (M, N, K) {got['other_bits'][:20]}"
     assert got["graphs"][1]["cublas"] is True  # the graph captured after the check recorded cuBLAS
-    # every product that may run on cuBLAS (not kernels.gemm_cublas.keep_triton) was checked and found equal
-    assert got["checked"]["cublas"] == got["cublas_products"] + 1  # + the graph case's product
+    # every product that may run on cuBLAS (not kernels.gemm_cublas.keep_triton) was checked and found equal; those
+    # `timed` were timed, and run cuBLAS where it was the faster
+    found = got["checked"]
+    assert found["cublas"] + found["triton_faster"] == got["cublas_products"] + 1  # + the graph case's product
+    assert len(got["timings"]) == got["timed_products"] > 0
+    assert found["triton_faster"] == sum(cublas_us >= triton_us for *_, cublas_us, triton_us in got["timings"])
+    print(f"{shape} lm_head, us a call (rows, cuBLAS, kernels.gemm):",
+          [(m, round(c, 1), round(t, 1)) for m, _, _, c, t in got["timings"]])
+
+
+def test_timing_measures_gpu_time():
+    """`_gpu_us` counts the GPU's time, not the host's: three products a call take about three times one product's
+    time (between 2.5x and 3.5x: the products are equal, so only timing noise separates the ratio from 3)."""
+    from kernels import gemm_cublas
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(151936, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    x = torch.randn(8, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    one = min(gemm_cublas._gpu_us(lambda: torch.mm(x, w.t())) for _ in range(3))
+    three = min(gemm_cublas._gpu_us(lambda: [torch.mm(x, w.t()) for _ in range(3)]) for _ in range(3))
+    assert 2.5 < three / one < 3.5, (one, three)
 
 
 if __name__ == "__main__":
