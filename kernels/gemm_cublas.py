@@ -42,13 +42,13 @@ from kernels import gemm
 
 _log = logging.getLogger(__name__)
 
-CUBLAS, OTHER_BITS, SLOWER = "cublas", "other_bits", "triton_faster"
+CUBLAS, OTHER_BITS, TRITON_FASTER = "cublas", "other_bits", "triton_faster"
 """What a check found for a product: cuBLAS gave kernels.gemm's bits (and, where `timed`, was faster); cuBLAS gave
 other bits; cuBLAS gave the same bits but was slower on this GPU (`timed` products only)."""
 
 _checked: dict[tuple, str] = {}
-"""(M, N, K, device) -> what the check found (CUBLAS, OTHER_BITS, SLOWER): at most MAX_ROWS x the model's linear
-shapes. Only CUBLAS runs cuBLAS."""
+"""(M, N, K, device) -> what the check found (CUBLAS, OTHER_BITS, TRITON_FASTER): at most MAX_ROWS x the model's
+linear shapes. Only CUBLAS runs cuBLAS."""
 
 _timings: dict[tuple, tuple[float, float]] = {}
 """(M, N, K, device) -> (cuBLAS, kernels.gemm) microseconds a call, for the `timed` products checked so far."""
@@ -162,9 +162,9 @@ def _time_both(probe: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
 
 
 def _check(a: torch.Tensor, w: torch.Tensor) -> str | None:
-    """What cuBLAS does for a's shape with weight w (CUBLAS, OTHER_BITS or, for a `timed` product, SLOWER); None when
-    that cannot be told (kernels.gemm's output all zero: a zero weight, as before a checkpoint is loaded, proves
-    nothing)."""
+    """What cuBLAS does for a's shape with weight w (CUBLAS, OTHER_BITS or, for a `timed` product, TRITON_FASTER);
+    None when that cannot be told (kernels.gemm's output all zero: a zero weight, as before a checkpoint is loaded,
+    proves nothing)."""
     m, k = a.shape
     n = w.shape[0]
     probe = _random_rows(m, k, a)
@@ -178,7 +178,7 @@ def _check(a: torch.Tensor, w: torch.Tensor) -> str | None:
     if not timed(m, n, k):
         return CUBLAS
     us = _timings[(m, n, k, a.device)] = _time_both(probe, w)
-    found = CUBLAS if us[0] < us[1] else SLOWER
+    found = CUBLAS if us[0] < us[1] else TRITON_FASTER
     _log.info("kernels.gemm_cublas: [%d x %d] @ [%d x %d] takes %.1f us on cuBLAS, %.1f on kernels.gemm: %s", m, k, k,
               n, us[0], us[1], "cuBLAS" if found == CUBLAS else "kernels.gemm")
     return found
@@ -217,6 +217,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def checked() -> dict[str, int]:
-    """How many problems were checked, by what was found (CUBLAS, OTHER_BITS, SLOWER; for logs and benchmarks)."""
+    """How many problems were checked, by what was found (CUBLAS, OTHER_BITS, TRITON_FASTER: for logs and
+    benchmarks)."""
     found = list(_checked.values())
-    return {name: found.count(name) for name in (CUBLAS, OTHER_BITS, SLOWER)}
+    return {name: found.count(name) for name in (CUBLAS, OTHER_BITS, TRITON_FASTER)}
