@@ -104,7 +104,7 @@ def timed(m: int, n: int, k: int) -> bool:
     every row count 1-64 on an H200 (session 55, tests/gpu/test_gemm_cublas_gpu.py): cuBLAS faster at all 64 at
     1.7B (149-160 us against 160-183), at 2-64 at 8B (296-311 against 306-349), kernels.gemm at 8B's 1 row (291 against
     296); the engine then picks per row count on whichever GPU it runs."""
-    return n > VOCAB_WIDE and m <= TIMED_ROWS and not keep_triton(m, n, k)
+    return n > VOCAB_WIDE and m <= TIMED_ROWS  # never kept on Triton (keep_triton: above 512 rows)
 
 
 def _layout_ok(a: torch.Tensor, w: torch.Tensor) -> bool:

@@ -129,6 +129,8 @@ def test_timed_and_kept_rules():
     assert [m for m in (1, 64, 65, 512, 513, 2049) if gemm_cublas.keep_triton(m, 151936, 2048)] == [513, 2049]
     assert not gemm_cublas.timed(1, 12288, 2048) and not gemm_cublas.keep_triton(2048, 12288, 2048)
     assert gemm_cublas.keep_triton(2049, 12288, 2048)
+    assert not any(gemm_cublas.timed(m, 151936, 2048) and gemm_cublas.keep_triton(m, 151936, 2048)
+                   for m in range(1, 3000))  # a timed product is never one kept on Triton
 
 
 def test_a_zero_weight_proves_nothing_and_is_checked_again(route):
