@@ -14,13 +14,15 @@ stream. This kernel computes, per row:
     shaped block compiles to the identical tree (as `kernels/qk_norm_rope.py`);
   * out = bf16((float(r) * inv_rms) * float(w)), vLLM's step 3.
 
-The second loop recomputes r from x and the old residual (each program reads a column before it
-writes it, with the same layout), then stores r and out. Both loops are unrolled over the row's
-blocks (`NUM_BLOCKS`, a constexpr: one compile per hidden size), so a block's loads need not wait
-for the previous block's reduction: the same operations in the same order. Measured on an H200
-(session 55, CUDA-graph replays): 5-12 % less time a call at 1-256 rows of 2,048-5,120 (2,048 wide,
-1 row: 1.99 us against 2.10), 2,048 rows of 4,096 10 % more (16.1 us against 14.6), of 5,120 13 %
-less; in a Qwen3-1.7B rollout at batch 1 2.61 us a call against 2.93 (56 calls a decode step).
+The row is held as a [blocks, 1024] tile (each tile row one of vLLM's blocks), so x, the residual
+and the weight are read once, in one round of loads: a decode row's norm is launch- and latency-bound
+(2.6-5.2 us a call in Qwen3-1.7B / 8B rollouts on an H200 with two passes over the row, session 55,
+against 1.9-2.1 us for plain vLLM's compiled kernel). Why the bits should be the looped form's:
+compiled for sm_90 by Triton 3.6 (on a CPU host, session 55), the tile's axis-1 reduction takes
+each block in the 1-D block's layout (8 contiguous elements a thread, 32 lanes, 4 warps) and the PTX
+has the same per-thread fma chain in the same element order, the same butterfly shuffles and the
+same cross-warp step; the block sums are added in block order. NOT YET RUN ON A GPU (branch
+s55-norm-onepass): the GPU test below is the proof.
 `tests/gpu/test_ops_vs_vllm.py` proves both outputs equal to the two kernels', bit for bit.
 """
 
@@ -38,34 +40,26 @@ VLLM_NORM_BLOCK = 1024
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_stride, n_cols, eps,
-                         BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_stride
-    res_row = res_ptr + row * res_stride
     dtype = res_ptr.dtype.element_ty
-
+    blocks = tl.arange(0, BLOCKS_P2)
+    col_idx = blocks[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]  # row b: vLLM's b-th block
+    mask = col_idx < n_cols
+    w = tl.load(w_ptr + col_idx, mask=mask, other=1.0)
+    r = (tl.load(x_ptr + row * x_stride + col_idx, mask=mask, other=0.0).to(tl.float32)
+         + tl.load(res_ptr + row * res_stride + col_idx, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    r_f32 = r.to(tl.float32)
+    block_sums = tl.sum(tl.where(mask, r_f32 * r_f32, 0.0), axis=1)  # each block's tl.sum, as vLLM's loop
     sum_sq = tl.zeros([1], dtype=tl.float32)
-    for block in tl.static_range(NUM_BLOCKS):
-        col_idx = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        mask = col_idx < n_cols
-        r = (tl.load(x_row + col_idx, mask=mask, other=0.0).to(tl.float32)
-             + tl.load(res_row + col_idx, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-        r_f32 = r.to(tl.float32)
-        sq = r_f32 * r_f32
-        sum_sq += tl.sum(tl.where(mask, sq, 0.0))
+    for b in tl.static_range(NUM_BLOCKS):  # added in block order; picking one block sum out of zeros is exact
+        sum_sq += tl.sum(tl.where(blocks == b, block_sums, 0.0))
     mean_sq = sum_sq / n_cols
     rms = tl.sqrt(mean_sq + eps)
     inv_rms = 1.0 / rms
-
-    for block in tl.static_range(NUM_BLOCKS):
-        col_idx = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        mask = col_idx < n_cols
-        r = (tl.load(x_row + col_idx, mask=mask, other=0.0).to(tl.float32)
-             + tl.load(res_row + col_idx, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-        w = tl.load(w_ptr + col_idx, mask=mask, other=1.0)
-        out = (r.to(tl.float32) * inv_rms) * w.to(tl.float32)
-        tl.store(res_row + col_idx, r, mask=mask)
-        tl.store(out_ptr + row * out_stride + col_idx, out.to(dtype), mask=mask)
+    out = (r_f32 * inv_rms) * w.to(tl.float32)
+    tl.store(res_ptr + row * res_stride + col_idx, r, mask=mask)
+    tl.store(out_ptr + row * out_stride + col_idx, out.to(dtype), mask=mask)
 
 
 def fusable(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -80,9 +74,10 @@ def fusable(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bo
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual <- bf16(residual + x) in place; returns rms_norm(residual) * weight (a new tensor)."""
     rows, n = x.shape
+    blocks = triton.cdiv(n, VLLM_NORM_BLOCK)
     out = torch.empty_like(residual)
     if rows:
         launch(_add_rms_norm_kernel, (rows, 1, 1),
                (x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n, eps),
-               {"BLOCK_SIZE": VLLM_NORM_BLOCK, "NUM_BLOCKS": triton.cdiv(n, VLLM_NORM_BLOCK)})
+               {"BLOCK_SIZE": VLLM_NORM_BLOCK, "NUM_BLOCKS": blocks, "BLOCKS_P2": triton.next_power_of_2(blocks)})
     return out
