@@ -22,9 +22,10 @@ the PTX has the same per-thread fma chain in the same element order, the same bu
 the same cross-warp step; the block sums are added in block order. Measured on an H200 (session 56,
 CUDA-graph replays, us a call, two-pass unrolled -> one pass): 2,048 wide 2.06 -> 1.56 (1 row),
 4,096 3.36 -> 1.90, 5,120 3.89 -> 2.26; at 1,024 wide (Qwen3-0.6B) 1.33 -> 1.42 at 1 row, and
-from 2,048 rows 1 % slower to 10 % faster;
-residual and output `torch.equal` to the two-pass kernel's and to vLLM's two kernels at widths
-1,024-5,120 and 1-8,192 rows. `tests/gpu/test_ops_vs_vllm.py` is the standing proof.
+from 2,048 rows 1 % slower to 10 % faster. Residual and output `torch.equal` to the two-pass
+kernel's and to vLLM's two kernels at widths 1,024-5,120 and 1-8,192 rows;
+`tests/gpu/test_ops_vs_vllm.py` is the standing proof of the bits, and
+`tests/test_add_rms_norm_interpreter.py` checks the tile's indexing on CPU.
 """
 
 from __future__ import annotations
