@@ -167,17 +167,25 @@ def compat_part_to_hf(compat_part: dict, model_args) -> Iterator[tuple[str, torc
     return iter(hf_names_of_titan(_split_to_titan(compat_part, model_args), model_args).items())
 
 
+def read_compat(model_dir: str | Path | ModelDir, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """A validated HF checkpoint's weights in the merged layout, on the CPU, cast to `dtype` (None: as stored):
+    the one read of a checkpoint's tensors for a model (`load_model`) or a frozen base (LoRA). A ModelDir's
+    config is not read again. The HF state dict is dropped as soon as the merged one is built, so the host holds
+    one copy at a time besides the cast."""
+    checkpoint = read_model_dir(model_dir)
+    compat = hf_to_compat(hf_state_dict(checkpoint), checkpoint.args)
+    return compat if dtype is None else {k: v.to(dtype) for k, v in compat.items()}
+
+
 def load_model(model_dir: str | Path | ModelDir, device="cpu", dtype=torch.float32,
                backend: str | object = "auto") -> Qwen3VLLMCompatModel:
     """A Qwen3VLLMCompatModel in the merged layout from a validated HF checkpoint directory
     (safetensors only; a ModelDir's config is not read again). `backend`: a kernel-backend name
     (`auto`, `reference`, `vllm`) or object."""
     checkpoint = read_model_dir(model_dir)
-    args = checkpoint.args
-    hf_sd = hf_state_dict(checkpoint)
-    compat_sd = hf_to_compat(hf_sd, args)
+    compat_sd = read_compat(checkpoint)
     with torch.device("meta"):
-        model = Qwen3VLLMCompatModel(args, backend="reference")
+        model = Qwen3VLLMCompatModel(checkpoint.args, backend="reference")
     model.backend = select_backend(backend, device) if isinstance(backend, str) else backend
     model.load_state_dict(compat_sd, strict=True, assign=True)
     return model.to(device=device, dtype=dtype)

@@ -13,8 +13,9 @@ module of the tree imports in a circle):
               ids (multiturn, chat_format)
     tasks/    prompts as token ids and verifiable rewards; the calculator tool and environment; datasets
               (--dataset), reasoning-gym, TRL-signature reward functions, math-verify
-    loops/    GRPO (trainer: one step; rollout: its samples, parity, rewards, dynamic sampling; loss: the
-              loss menu; run: simple_rl.py's run), evaluation, the supervised warm start
+    loops/    GRPO (setup: a run's set-up into a Run; run: its loop, checkpoints and signals; trainer: one
+              step; rollout and prompts: its samples, parity, rewards, dynamic sampling; update: one optimizer
+              update; loss: the loss menu), evaluation, the supervised warm start
     tinker/   the Tinker API (sample / forward_backward / optim_step) on the core
 
 loops/ and tinker/ are clients of the core and never import each other.

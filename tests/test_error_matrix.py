@@ -98,12 +98,12 @@ def _build(cfg, model_dir, policy):
 policy.build_engine = _build
 ''',
     "nan_loss": '''
-from spirl.loops import trainer
-_real = trainer.grpo_loss
+from spirl.loops import update
+_real = update.grpo_loss
 def _nan(*a, **kw):
     loss, m = _real(*a, **kw)
     return loss * float("nan"), m
-trainer.grpo_loss = _nan
+update.grpo_loss = _nan
 ''',
     # a bug: not an expected error, so a traceback and status 70
     "bug": '''

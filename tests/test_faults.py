@@ -35,14 +35,14 @@ import os, signal, sys, time, runpy
 from pathlib import Path
 from spirl.loops import trainer
 _real = trainer.collect
-def collect(step, *a, **kw):
+def collect(run, step, *a, **kw):
     if step == int(os.environ["FAULT_STEP"]) and os.environ.get("RANK", "0") == os.environ["FAULT_RANK"]:
         Path(os.environ["FAULT_STAMP"]).write_text(repr(time.time()))
         if os.environ["FAULT"] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         import torch
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-    return _real(step, *a, **kw)
+    return _real(run, step, *a, **kw)
 trainer.collect = collect
 sys.argv = [os.environ["SIMPLE_RL"], *sys.argv[1:]]
 runpy.run_path(os.environ["SIMPLE_RL"], run_name="__main__")

@@ -190,11 +190,11 @@ def test_parity_break_stops_with_report_and_keeps_checkpoint(tiny_ckpt, tmp_path
 
 
 def test_nan_loss_stops(tiny_ckpt, tmp_path, monkeypatch):
-    from spirl.loops import run, trainer
+    from spirl.loops import run, update
 
-    real = trainer.grpo_loss
-    monkeypatch.setattr(trainer, "grpo_loss", lambda *a, **kw: (real(*a, **kw)[0] * float("nan"), real(*a, **kw)[1]))
-    with pytest.raises(trainer.NonFiniteLossError):
+    real = update.grpo_loss
+    monkeypatch.setattr(update, "grpo_loss", lambda *a, **kw: (real(*a, **kw)[0] * float("nan"), real(*a, **kw)[1]))
+    with pytest.raises(update.NonFiniteLossError):
         run.train(_cfg(tiny_ckpt, tmp_path, task="synthetic", steps=1, max_new_tokens=2))
     assert not (tmp_path / "ckpt" / "full").exists()
 

@@ -156,7 +156,7 @@ def test_head_dims_vllm_cannot_serve_consistently_are_refused(tmp_path, head_dim
 def test_top_k_top_p_warn_that_training_is_off_policy(tiny_ckpt, tmp_path, caplog):
     from spirl.loops.run import train
 
-    with caplog.at_level("WARNING", logger="spirl.loops.run"):
+    with caplog.at_level("WARNING", logger="spirl.loops"):
         hist = train(_cfg(tiny_ckpt, tmp_path, logprobs="raw", top_k=50, top_p=0.9, steps=1, max_new_tokens=2,
                           kl_coef=0.0, run_name="topk"))
     assert hist[0]["parity/tokens_different"] == 0

@@ -211,68 +211,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Raise ConfigError (one line: field and fix) on the first unusable value."""
-        checks = [
-            (self.steps >= 1, "steps must be >= 1"),
-            (self.prompts_per_step >= 1, "prompts_per_step must be >= 1"),
-            (self.group_size >= 2, "group_size must be >= 2 for group-relative advantages"),
-            (self.lr > 0, "lr must be > 0"),
-            (self.weight_decay >= 0, "weight_decay must be >= 0"),
-            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
-            (self.temperature > 0, "temperature must be > 0 (GRPO needs diverse samples)"),
-            (self.kl_coef >= 0, "kl_coef must be >= 0"),
-            (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
-            (0 < self.clip_eps < 1, "clip_eps must be in (0, 1)"),
-            (self.seed >= 0, "seed must be >= 0"),
-            (bool(self.run_name) and "/" not in self.run_name, "run_name must be a non-empty name without '/'"),
-            (self.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}"),
-            (self.updates_per_batch >= 1, "updates_per_batch must be >= 1"),
-            (self.max_tokens_per_microbatch >= 1, "max_tokens_per_microbatch must be >= 1"),
-            (self.activation_checkpointing in (0, 1), "activation_checkpointing must be 0 or 1"),
-            (0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)"),
-            (self.eager in (0, 1), "eager must be 0 or 1"),
-            (self.precompile in (0, 1), "precompile must be 0 or 1"),
-            (self.max_model_len >= 2, "max_model_len must be >= 2"),
-            (self.max_new_tokens < self.max_model_len, "max_new_tokens must be < max_model_len (room for the prompt)"),
-            (self.vllm_sleep in (0, 1), "vllm_sleep must be 0 or 1"),
-            (self.logprobs in LOGPROBS_MODES, f"logprobs must be one of {', '.join(LOGPROBS_MODES)}"),
-            (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.logprobs == "raw" or (self.top_k == -1 and self.top_p == 1.0),
-             "top_k / top_p need --logprobs raw: the trainer cannot recompute vLLM's truncated "
-             "distribution bit for bit (with raw, training on truncated samples is off-policy)"),
-            (self.eval_every >= 0, "eval_every must be >= 0"),
-            (self.eval_pass_k >= 0, "eval_pass_k must be >= 0"),
-            (self.eval_size >= 0, "eval_size must be >= 1, or 0 for the task's whole held-out set"),
-            (self.checkpoint_every >= 0, "checkpoint_every must be >= 0"),
-            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
-             "device must be auto, cpu, cuda or cuda:N"),
-            (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
-            (self.max_grad_norm >= 0, "max_grad_norm must be >= 0"),
-            (self.max_turns >= 1, "max_turns must be >= 1"),
-            (self.save_rollouts in (0, 1), "save_rollouts must be 0 or 1"),
-            (self.detect_retokenization in (0, 1), "detect_retokenization must be 0 or 1"),
-            (self.loss_type in LOSS_TYPES, f"loss_type must be one of {', '.join(LOSS_TYPES)}"),
-            (self.importance_sampling_level in IS_LEVELS,
-             f"importance_sampling_level must be one of {', '.join(IS_LEVELS)}"),
-            (self.scale_rewards in REWARD_SCALES, f"scale_rewards must be one of {', '.join(REWARD_SCALES)}"),
-            (self.clip_eps_high >= 0, "clip_eps_high must be >= 0 (0 = the same as --clip-eps)"),
-            (self.loss_type != "cispo" or self.clip_eps_high > 0,
-             "--loss-type cispo needs --clip-eps-high: CISPO's eps_max, the bound of the importance weight "
-             "min(r, eps_max) (ScaleRL recommends 5.0; TRL would use --clip-eps, 0.2, which clips nearly every token)"),
-            (self.mask_truncated_completions in (0, 1), "mask_truncated_completions must be 0 or 1"),
-            (self.dynamic_sampling in (0, 1), "dynamic_sampling must be 0 or 1"),
-            (self.dynamic_sampling_max_rounds >= 1, "dynamic_sampling_max_rounds must be >= 1"),
-            (self.task_size >= 1, "task_size must be >= 1"),
-            (self.task_seed >= 0, "task_seed must be >= 0"),
-            (not self.dataset or self.task == TrainConfig.task,
-             f"--dataset and --task {self.task} both name the prompts: pass one of them"),
-            (bool(self.dataset) or not (self.reward or self.reward_weights or self.eval_dataset),
-             "--reward, --reward-weights and --eval-dataset go with --dataset (a --task brings its own reward)"),
-            (not self.dataset or bool(self.reward),
-             "--dataset needs at least one --reward (path/to/file.py:func, package.module:func or math)"),
-        ]
-        for ok, msg in checks:
+        for ok, msg in [*self._run_rules(), *self._sampling_rules(), *self._loss_rules(), *self._data_rules()]:
             if not ok:
                 raise ConfigError(msg)
         self._validate_lora()
@@ -284,6 +223,84 @@ class TrainConfig:
             raise ConfigError("dtype must be bfloat16 with --engine vllm (vLLM runs bf16); use --engine native for float32")
         return self
 
+    def _run_rules(self) -> list[tuple[bool, str]]:
+        """(holds, the one line when it does not) of the run's length, engine, memory and output settings."""
+        return [
+            (self.steps >= 1, "steps must be >= 1"),
+            (self.prompts_per_step >= 1, "prompts_per_step must be >= 1"),
+            (self.group_size >= 2, "group_size must be >= 2 for group-relative advantages"),
+            (self.lr > 0, "lr must be > 0"),
+            (self.weight_decay >= 0, "weight_decay must be >= 0"),
+            (self.seed >= 0, "seed must be >= 0"),
+            (bool(self.run_name) and "/" not in self.run_name, "run_name must be a non-empty name without '/'"),
+            (self.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}"),
+            (self.updates_per_batch >= 1, "updates_per_batch must be >= 1"),
+            (self.max_tokens_per_microbatch >= 1, "max_tokens_per_microbatch must be >= 1"),
+            (self.activation_checkpointing in (0, 1), "activation_checkpointing must be 0 or 1"),
+            (0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)"),
+            (self.eager in (0, 1), "eager must be 0 or 1"),
+            (self.precompile in (0, 1), "precompile must be 0 or 1"),
+            (self.vllm_sleep in (0, 1), "vllm_sleep must be 0 or 1"),
+            (self.eval_every >= 0, "eval_every must be >= 0"),
+            (self.eval_pass_k >= 0, "eval_pass_k must be >= 0"),
+            (self.eval_size >= 0, "eval_size must be >= 1, or 0 for the task's whole held-out set"),
+            (self.checkpoint_every >= 0, "checkpoint_every must be >= 0"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             "device must be auto, cpu, cuda or cuda:N"),
+            (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
+            (self.max_grad_norm >= 0, "max_grad_norm must be >= 0"),
+            (self.save_rollouts in (0, 1), "save_rollouts must be 0 or 1"),
+            (self.detect_retokenization in (0, 1), "detect_retokenization must be 0 or 1"),
+        ]
+
+    def _sampling_rules(self) -> list[tuple[bool, str]]:
+        """... of what the engine samples and which logprobs it reports."""
+        return [
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (self.temperature > 0, "temperature must be > 0 (GRPO needs diverse samples)"),
+            (self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.max_new_tokens < self.max_model_len, "max_new_tokens must be < max_model_len (room for the prompt)"),
+            (self.logprobs in LOGPROBS_MODES, f"logprobs must be one of {', '.join(LOGPROBS_MODES)}"),
+            (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.logprobs == "raw" or (self.top_k == -1 and self.top_p == 1.0),
+             "top_k / top_p need --logprobs raw: the trainer cannot recompute vLLM's truncated "
+             "distribution bit for bit (with raw, training on truncated samples is off-policy)"),
+            (self.max_turns >= 1, "max_turns must be >= 1"),
+        ]
+
+    def _loss_rules(self) -> list[tuple[bool, str]]:
+        """... of the loss menu."""
+        return [
+            (self.kl_coef >= 0, "kl_coef must be >= 0"),
+            (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
+            (0 < self.clip_eps < 1, "clip_eps must be in (0, 1)"),
+            (self.loss_type in LOSS_TYPES, f"loss_type must be one of {', '.join(LOSS_TYPES)}"),
+            (self.importance_sampling_level in IS_LEVELS,
+             f"importance_sampling_level must be one of {', '.join(IS_LEVELS)}"),
+            (self.scale_rewards in REWARD_SCALES, f"scale_rewards must be one of {', '.join(REWARD_SCALES)}"),
+            (self.clip_eps_high >= 0, "clip_eps_high must be >= 0 (0 = the same as --clip-eps)"),
+            (self.loss_type != "cispo" or self.clip_eps_high > 0,
+             "--loss-type cispo needs --clip-eps-high: CISPO's eps_max, the bound of the importance weight "
+             "min(r, eps_max) (ScaleRL recommends 5.0; TRL would use --clip-eps, 0.2, which clips nearly every token)"),
+            (self.mask_truncated_completions in (0, 1), "mask_truncated_completions must be 0 or 1"),
+            (self.dynamic_sampling in (0, 1), "dynamic_sampling must be 0 or 1"),
+            (self.dynamic_sampling_max_rounds >= 1, "dynamic_sampling_max_rounds must be >= 1"),
+        ]
+
+    def _data_rules(self) -> list[tuple[bool, str]]:
+        """... of the prompts and their rewards."""
+        return [
+            (self.task_size >= 1, "task_size must be >= 1"),
+            (self.task_seed >= 0, "task_seed must be >= 0"),
+            (not self.dataset or self.task == TrainConfig.task,
+             f"--dataset and --task {self.task} both name the prompts: pass one of them"),
+            (bool(self.dataset) or not (self.reward or self.reward_weights or self.eval_dataset),
+             "--reward, --reward-weights and --eval-dataset go with --dataset (a --task brings its own reward)"),
+            (not self.dataset or bool(self.reward),
+             "--dataset needs at least one --reward (path/to/file.py:func, package.module:func or math)"),
+        ]
 
     def policy_spec(self, lora: LoRAInit | None = None) -> PolicySpec:
         """The policy this run trains (spirl.core.build.build_policy_and_engine's spec): `lora` is what

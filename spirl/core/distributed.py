@@ -21,7 +21,7 @@ path. How a step is split, and why each piece keeps the one-GPU numbers:
   share of the mini-batch's loss (normalizers over every rank: spirl/loops/loss.py) times the number
   of ranks, so the average is the mini-batch's loss. Every rank must run the same number
   of forward and backward passes (each one is a sequence of collectives), so micro-batch counts
-  are equalized with zero-weight passes (`trainer.train_minibatch`).
+  are equalized with zero-weight passes (`spirl.loops.update.train_minibatch`).
 * LoRA (spirl.core.lora): nothing is sharded. Every rank holds its engine's whole bf16 model and a
   replica of the adapters; `LoRAPolicy.reduce_grads` averages the adapters' gradients over ranks
   (one all-reduce) before the optimizer step, so the replicas stay bitwise equal (`check_replicas`

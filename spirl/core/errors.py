@@ -101,7 +101,7 @@ _KNOWN: list[tuple[str, str, int, str]] = [
     ("spirl.numerics.parity", "ParityError", EXIT_PARITY,
      "parity broken at {msg}; that step's update was not applied and the last checkpoint is kept: "
      "read the report, localize with ./run_comparison.sh --localize"),
-    ("spirl.loops.trainer", "NonFiniteLossError", EXIT_DIVERGED,
+    ("spirl.loops.update", "NonFiniteLossError", EXIT_DIVERGED,
      "training diverged: {msg}; lower --lr or set --max-grad-norm, then --resume from the last checkpoint"),
 ]
 

@@ -131,17 +131,6 @@ class LoRAPolicy(Policy):
             self.push_masters_to_model()
 
 
-def _load_base(model: ModelDir, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The compat state dict on the CPU in `dtype`: the frozen base, read once."""
-    from weights import hf_state_dict
-    from weights_vllm_compat import hf_to_compat
-
-    hf_sd = hf_state_dict(model)
-    compat = hf_to_compat(hf_sd, model.args)
-    del hf_sd
-    return {k: v.to(dtype) for k, v in compat.items()}
-
-
 def _adapted_keys(spec: LoRASpec, args) -> list[str]:
     """Compat names of the weights that get adapters (whose frozen base must be kept)."""
     from torchtitan_compat.lora import fused_modules
@@ -154,9 +143,6 @@ def _adapted_keys(spec: LoRASpec, args) -> list[str]:
 def build_lora_policy_and_engine(model: ModelDir, spec: PolicySpec, device: torch.device, world):
     """(LoRAPolicy, engine) of `spec` (its `lora` set) sharing one copy of the weights (see the module
     docstring)."""
-    import weights_vllm_compat
-
-    from torchtitan_compat import Qwen3VLLMCompatModel, select_backend
     from torchtitan_compat.lora import apply_lora, lora_modules
 
     from .distributed import one_local_rank_at_a_time
@@ -172,42 +158,10 @@ def build_lora_policy_and_engine(model: ModelDir, spec: PolicySpec, device: torc
     engine = None
     if spec.engine.kind == "vllm":  # vLLM's set-up is collective under torchrun: every rank builds its engine at once
         engine = build_engine(spec.engine, model, None, world, load_format="dummy", untie_lm_head=untie)
-
-    def load() -> tuple[dict, dict]:
-        """(the model's weights, the frozen base of the adapted ones), from the checkpoint read once; its
-        host memory peaks at about twice the bf16 model while the fused layout is built."""
-        compat = _load_base(model, dtype)
-        if engine is not None:
-            named = dict(weights_vllm_compat.compat_to_vllm_weights(compat, args))
-            if untie:
-                named["lm_head.weight"] = compat["tok_embeddings.weight"]
-            engine.load_all_weights(named.items())
-            del named
-            weights = engine.compat_weights(args)
-        else:
-            weights = {k: v.to(device, copy=True) for k, v in compat.items()}
-            if untie:
-                weights["output.weight"] = compat["tok_embeddings.weight"].to(device, copy=True)
-        base = {}  # the frozen base of every adapted weight; the rest lives only in the model (the engine)
-        for k in _adapted_keys(lora, args):
-            src = "tok_embeddings.weight" if k == "output.weight" and untie else k
-            w = compat[src]
-            if device.type == "cuda":
-                w = w.to(device, copy=True) if spec.lora_base == "gpu" else w.pin_memory()
-            base[k] = w
-            if src != "tok_embeddings.weight":
-                del compat[src]  # one host copy at a time
-        return weights, base
-
     # the ranks of one host in turn: one transient peak at a time on top of the others' pinned bases
-    weights, base = one_local_rank_at_a_time(world, load)
-    with torch.device("meta"):
-        compute = Qwen3VLLMCompatModel(args, backend="reference")
-    compute.backend = select_backend("reference" if spec.engine.kind == "native" else "auto", device)
-    head = weights.pop("output.weight", None) if untie else None
-    compute.load_state_dict(weights, strict=True, assign=True)
-    compute.requires_grad_(False)
-    compute.activation_checkpointing = spec.activation_checkpointing
+    weights, base = one_local_rank_at_a_time(world, lambda: _load_weights(model, spec, device, engine, untie))
+    head = weights.pop("output.weight", None) if untie else None  # tied: the model itself has no output weight
+    compute = _frozen_model(args, weights, spec, device)
     apply_lora(compute, lora, base, seed=spec.seed, head_weight=head)
     masters = {n: p for n, p in compute.named_parameters() if p.requires_grad}
     if spec.lora.params is not None:
@@ -229,6 +183,50 @@ def build_lora_policy_and_engine(model: ModelDir, spec: PolicySpec, device: torc
     if engine is None:
         engine = build_engine(spec.engine, model, policy)
     return policy, engine
+
+
+def _load_weights(model: ModelDir, spec: PolicySpec, device: torch.device, engine, untie: bool) -> tuple[dict, dict]:
+    """(the model's weights, the frozen base of the adapted ones), from the checkpoint read once: the weights are
+    the vLLM engine's own tensors (loaded into it here), or copies on `device` for the native engine. The host
+    memory peaks at about twice the bf16 model while the fused layout is built."""
+    import weights_vllm_compat
+
+    args = model.args
+    compat = weights_vllm_compat.read_compat(model, getattr(torch, spec.dtype))
+    if engine is not None:
+        named = dict(weights_vllm_compat.compat_to_vllm_weights(compat, args))
+        if untie:
+            named["lm_head.weight"] = compat["tok_embeddings.weight"]
+        engine.load_all_weights(named.items())
+        del named
+        weights = engine.compat_weights(args)
+    else:
+        weights = {k: v.to(device, copy=True) for k, v in compat.items()}
+        if untie:
+            weights["output.weight"] = compat["tok_embeddings.weight"].to(device, copy=True)
+    base = {}  # the frozen base of every adapted weight; the rest lives only in the model (the engine)
+    for k in _adapted_keys(spec.lora.spec, args):
+        src = "tok_embeddings.weight" if k == "output.weight" and untie else k
+        w = compat[src]
+        if device.type == "cuda":
+            w = w.to(device, copy=True) if spec.lora_base == "gpu" else w.pin_memory()
+        base[k] = w
+        if src != "tok_embeddings.weight":
+            del compat[src]  # one host copy at a time
+    return weights, base
+
+
+def _frozen_model(args, weights: dict, spec: PolicySpec, device: torch.device):
+    """The compute model on `weights` (assigned, not copied), frozen, with the kernels of `device`."""
+    from torchtitan_compat import Qwen3VLLMCompatModel, select_backend
+
+    with torch.device("meta"):
+        compute = Qwen3VLLMCompatModel(args, backend="reference")
+    compute.backend = select_backend("reference" if spec.engine.kind == "native" else "auto", device)
+    compute.load_state_dict(weights, strict=True, assign=True)
+    compute.requires_grad_(False)
+    compute.activation_checkpointing = spec.activation_checkpointing
+    return compute
 
 
 def adapter_writer(policy: LoRAPolicy, spec: PolicySpec, fingerprint: str):

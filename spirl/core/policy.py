@@ -95,37 +95,27 @@ class Policy:
 
 
 def build_policy(model: ModelDir, spec: PolicySpec, device: torch.device, world: World | None = None) -> Policy:
-    """The full fine-tuning policy of `spec` (spec.lora is not looked at: spirl.core.build chooses)."""
-    from weights_vllm_compat import load_model
-
-    world = world or World(device=device)
-    dtype = getattr(torch, spec.dtype)
-    backend = "reference" if spec.engine.kind == "native" else "auto"
-    if world.sharded:
-        return _build_sharded_policy(model, spec, device, world, dtype, backend)
-    master_model = load_model(model, device=device, dtype=torch.float32, backend=backend)
-    # deepcopy first: .to() of a float32 model to float32 would otherwise share the masters' storage
-    compute = copy.deepcopy(master_model).to(dtype)
-    compute.activation_checkpointing = spec.activation_checkpointing
-    ref = copy.deepcopy(compute).requires_grad_(False) if spec.reference else None
-    masters = dict(master_model.named_parameters())
-    return Policy(masters, compute, ref, build_adamw(masters, spec.lr, spec.weight_decay), world, dtype)
-
-
-def _build_sharded_policy(model: ModelDir, spec: PolicySpec, device, world: World, dtype, backend) -> Policy:
-    """Each rank reads the checkpoint on its CPU; fully_shard moves each layer's shard to its GPU."""
+    """The full fine-tuning policy of `spec` (spec.lora is not looked at: spirl.core.build chooses). One process:
+    fp32 masters on `device` and their compute-dtype cast; sharded (torchrun): each rank reads the checkpoint on
+    its CPU and fully_shard moves each layer's shard to its GPU, the masters being the FSDP2 module's own."""
     from weights_vllm_compat import load_model
 
     from torchtitan_compat import select_backend
 
-    compute = load_model(model, device="cpu", dtype=torch.float32, backend=backend)
-    compute.backend = select_backend(backend, device)  # the GPU's kernels, not the CPU's
-    compute.activation_checkpointing = spec.activation_checkpointing
-    ref = None
-    if spec.reference:
-        ref = shard_model(copy.deepcopy(compute).to(dtype).requires_grad_(False), world, dtype)
-    compute = shard_model(compute, world, dtype)
-    masters = dict(compute.named_parameters())
+    world = world or World(device=device)
+    dtype = getattr(torch, spec.dtype)
+    backend = select_backend("reference" if spec.engine.kind == "native" else "auto", device)
+    fp32 = load_model(model, device="cpu" if world.sharded else device, dtype=torch.float32, backend=backend)
+    fp32.activation_checkpointing = spec.activation_checkpointing
+    if world.sharded:
+        ref = shard_model(copy.deepcopy(fp32).to(dtype).requires_grad_(False), world, dtype) if spec.reference else None
+        compute = shard_model(fp32, world, dtype)
+        masters = dict(compute.named_parameters())
+    else:
+        # deepcopy first: .to() of a float32 model to float32 would otherwise share the masters' storage
+        compute = copy.deepcopy(fp32).to(dtype)
+        ref = copy.deepcopy(compute).requires_grad_(False) if spec.reference else None
+        masters = dict(fp32.named_parameters())
     return Policy(masters, compute, ref, build_adamw(masters, spec.lr, spec.weight_decay), world, dtype)
 
 

@@ -75,7 +75,7 @@ class VLLMEngineConfig:
     0.26's own list, which ends at 512. The default adds 768 to 2,048 in steps of 256 (issue 39): an eager
     step costs ~20 ms of kernel launches, so at Qwen3-1.7B, 64 new tokens, a rollout of 2 prompts of 512
     tokens took 0.218 s with vLLM's list and 0.182 s with this one (plain vLLM 0.181 s), and at Qwen3-8B 2 x 700
-    0.521 s against 0.486 s (plain 0.487 s; H100, session 39). The graphs took 0.23 GiB (1.7B) and 0.34 GiB
+    0.521 s against 0.486 s (plain 0.487 s; H100, 2026-11-26). The graphs took 0.23 GiB (1.7B) and 0.34 GiB
     (8B) beyond vLLM's memory share, inside the memory plan's fixed overhead. With `max_num_seqs` set, only the
     sizes up to twice it are captured, and sizes above 512 only up to `max_model_len` (`compilation_kwargs`:
     vLLM 0.26 crashes capturing them at a small max_model_len). Padding rows are separate rows of row-wise
@@ -134,7 +134,7 @@ def compilation_kwargs(cuda_graphs: str, sizes: tuple[int, ...] | None, max_num_
 
     With `max_model_len` set, sizes above vLLM's own largest (512) only up to max_model_len: vLLM 0.26 hits
     an illegal memory access while capturing FULL graphs of 768-2,048 tokens when max_model_len is small,
-    in its own batch-invariant mode as in ours (H100, random Qwen3-0.6B, session 41: max_model_len 96 and
+    in its own batch-invariant mode as in ours (H100, random Qwen3-0.6B, 2026-11-27: max_model_len 96 and
     256 crashed with sizes to 2,048, 1,024 and 2,048 did not; 96 with sizes to 512, or to 96, did not). A step
     larger than the largest graph runs eagerly, so this costs only the graphs of prefills longer than
     max_model_len tokens."""

@@ -1,4 +1,14 @@
-"""Training loops, clients of spirl.core: GRPO (trainer.py: one step; rollout.py: its prompts, samples,
-parity, rewards and dynamic sampling; loss.py: advantages and the loss menu; run.py: the run simple_rl.py
-starts; evaluation.py; retokenization.py; timing.py) and the supervised warm start (warmstart.py).
-Never imports spirl.tinker (tests/test_layering.py)."""
+"""Training loops, clients of spirl.core: GRPO and the supervised warm start (warmstart.py).
+Never imports spirl.tinker (tests/test_layering.py).
+
+GRPO, `simple_rl.py`'s run, from the top:
+    run.py        train(cfg) = setup(cfg), then loop(run): steps, evals, checkpoints, SIGTERM's safe stop
+    setup.py      setup(cfg) -> Run: checks, model, task, policy and engine, logger; everything a step reads
+    signals.py    SIGINT / SIGTERM during a run, and the one line an interrupt ends with
+    trainer.py    run_step(run, step): rollout -> parity -> rewards -> advantages -> updates -> weight sync
+    rollout.py    collect(run, step): the step's samples, parity and rewards, in rounds with dynamic sampling
+    prompts.py    where a step's prompts come from (a seeded draw, or a dataset's order) and its seeds
+    update.py     one optimizer update over a mini-batch (micro-batches, the loss, the optimizer step)
+    loss.py       advantages and the loss menu
+    evaluation.py, precompile.py, retokenization.py, timing.py
+"""

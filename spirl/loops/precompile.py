@@ -22,7 +22,7 @@ with and without it. It runs with `--precompile 1` on a GPU; the run logs how ma
 loaded from TRITON_CACHE_DIR), in how long, and where the time went. Every step logs `triton/builds`, the kernels
 built during that step, with or without it (and names them in the log when there are any).
 
-What it costs and saves (H100, session 38, docs/cold-start.md): step 1 is 0.9-1.25x the steady step with it, cold
+What it costs and saves (H100, 2026-11-26, docs/cold-start.md): step 1 is 0.9-1.25x the steady step with it, cold
 cache included (2.4x cold without it at Qwen3-1.7B full fine-tuning). But each of its ~29 trainer passes costs
 ~0.3 s of kernel launches even with every kernel cached (LoRA at 1.7B: 8.4 s of 9.2 s), so it adds 9-17 s to a
 warm start and 26-33 s to a cold one, more than the 6-10 s of compiles it takes out of a cold step 1. Hence off
@@ -192,7 +192,7 @@ def warm_trainer(policy, cfg, device, model_args) -> dict:
     from ..numerics.parity import sampled_logprobs
     from ..numerics.samples import Sample
     from .loss import sequence_weights
-    from .trainer import micro_batch_loss, sampling_dist
+    from .update import micro_batch_loss, sampling_dist
 
     def sync() -> float:
         if device.type == "cuda":

@@ -1,10 +1,7 @@
 """One step's rollout: prompts -> samples -> parity -> rewards, in rounds with --dynamic-sampling, and the
 share of it each rank trains on.
 
-Prompts (`PromptSource`): a task with `prompts(rng, n)` only is drawn from with random.Random(step_seed(seed,
-step)), so a step depends only on its number; a task with `__len__` and `prompt_at` (--dataset,
-reasoning-gym) is read in DataOrder (epochs of seeded shuffles) from the run's `DataCursor`, which every
-checkpoint records, so --resume continues the order bit for bit. Every rank draws the round's whole list and
+Prompts come from the run's PromptSource (spirl/loops/prompts.py). Every rank draws the round's whole list and
 samples its contiguous share (`shard_of`), with the seed one process uses.
 
 A round: the engine samples group_size completions per prompt; the trainer recomputes the logprob of every
@@ -24,7 +21,6 @@ of every round, kept or dropped.
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass, field
 
 import torch
@@ -32,57 +28,15 @@ import torch
 from ..core.distributed import World, even_slices, shard_of
 from ..core.multiturn import episode_metrics, prompt_seeds, run_episodes
 from ..numerics.parity import ParityReport, check_parity, logprob_dist, sampled_logprobs
-from ..tasks.dataset import DataOrder, DatasetError
+from ..tasks.dataset import DatasetError
 from ..tasks.rewards import RewardError, Scored, score
 from .loss import grpo_advantages
+from .prompts import round_seed
+from .setup import Run
+from .update import Placeholder
 from .timing import timed
 
 log = logging.getLogger("spirl.loops.rollout")
-
-
-def step_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step) % (2**63)
-
-
-def round_seed(seed: int, step: int, r: int) -> int:
-    """The engine's sampling seed of round r of a step: round 0's is the step's (as without dynamic sampling)."""
-    base = step_seed(seed, step)
-    return (base if r == 0 else step_seed(base, r)) % (2**31)
-
-
-# -- prompts --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DataCursor:
-    """The position of the next prompt of an ordered task (DataOrder), recorded in every checkpoint."""
-
-    position: int = 0
-
-
-def ordered(task) -> bool:
-    """The task is read in DataOrder (it has __len__ and prompt_at), not drawn with the step's RNG."""
-    return callable(getattr(task, "prompt_at", None)) and callable(getattr(task, "__len__", None))
-
-
-class PromptSource:
-    """The prompts of each round of a step (module docstring)."""
-
-    def __init__(self, task, seed: int, cursor: DataCursor):
-        self.task, self.seed, self.cursor = task, seed, cursor
-        self.order = DataOrder(len(task), seed) if ordered(task) else None
-        self.rng = random.Random(0)
-
-    def begin(self, step: int) -> None:
-        self.rng = random.Random(step_seed(self.seed, step))
-
-    def draw(self, n: int) -> list:
-        """The next n (prompt ids, meta) of this step."""
-        if self.order is None:
-            return self.task.prompts(self.rng, n)
-        start = self.cursor.position
-        self.cursor.position += n
-        return [self.task.prompt_at(self.order.index(p)) for p in range(start, start + n)]
 
 
 # -- one round ------------------------------------------------------------------------------------------------
@@ -104,9 +58,10 @@ class Round:
     extra: dict = field(default_factory=dict)
 
 
-def sample_round(step: int, r: int, prompts: list, cfg, task, engine, policy, device, run_dir, times: dict) -> Round:
-    """Sample this rank's `prompts`, check parity on every sampled token, score them. Collective on
-    several ranks (parity and a failing reward fail every rank)."""
+def sample_round(run: Run, step: int, r: int, prompts: list, times: dict) -> Round:
+    """Sample this rank's `prompts` (round r of the step), check parity on every sampled token, score them.
+    Collective on several ranks (parity and a failing reward fail every rank)."""
+    cfg, task, engine, policy = run.cfg, run.task, run.engine, run.policy
     world = policy.world
     seed, first = round_seed(cfg.seed, step, r), world.rank * len(prompts)  # shard_of's equal contiguous shares
     with timed(times, "rollout"):
@@ -122,9 +77,9 @@ def sample_round(step: int, r: int, prompts: list, cfg, task, engine, policy, de
             metas = [meta for _, meta in prompts for _ in range(cfg.group_size)]
             extra, outputs = {}, [s.completion_ids for s in samples]
     with timed(times, "parity"), torch.no_grad():
-        trainer_lps = sampled_logprobs(policy.model, samples, device, logprob_dist(cfg.logprobs, cfg.temperature,
-                                                                                  cfg.min_p))
-        report = check_parity(samples, trainer_lps, step, run_dir, engine, policy)
+        trainer_lps = sampled_logprobs(policy.model, samples, run.device, logprob_dist(cfg.logprobs, cfg.temperature,
+                                                                                      cfg.min_p))
+        report = check_parity(samples, trainer_lps, step, run.run_dir, engine, policy)
         del trainer_lps
     error, scored = None, None
     with timed(times, "reward"):
@@ -148,20 +103,6 @@ def informative(rewards: torch.Tensor) -> bool:
 
 
 # -- the step's rollout ---------------------------------------------------------------------------------------
-
-
-class Placeholder:
-    """A sequence a rank trains on with zero weight when its share of the kept groups is empty (the
-    ranks' forward and backward passes are collectives, so each must run them): `sequence_weights` gives
-    it no weight and counts it in no normalizer, and it is in no metric."""
-
-    def __init__(self, seq):
-        self.seq = seq
-
-    ids = property(lambda self: self.seq.ids)
-    loss_mask = property(lambda self: self.seq.loss_mask)
-    logprobs = property(lambda self: self.seq.logprobs)
-    finish_reason = property(lambda self: self.seq.finish_reason)
 
 
 @dataclass
@@ -191,65 +132,88 @@ def _merge(a: ParityReport | None, b: ParityReport) -> ParityReport:
                         max(a.max_abs_diff, b.max_abs_diff))
 
 
-def collect(step: int, cfg, task, engine, policy, device, run_dir, source: PromptSource, times: dict) -> Rollout:
+def collect(run: Run, step: int, times: dict) -> Rollout:
     """The step's rollout (module docstring) on this rank."""
-    world = policy.world
-    g, want = cfg.group_size, cfg.prompts_per_step
+    cfg, world, source = run.cfg, run.world, run.source
+    want = cfg.prompts_per_step
     source.begin(step)
     rounds: list[Round] = []
-    kept: list[tuple] = []  # (sequences, metas, rewards, per_func) of each kept group, every rank's, in order
-    dropped = 0
+    kept = KeptGroups(cfg.group_size)
     rounds_allowed = cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 1
-    while len(rounds) < rounds_allowed and (not cfg.dynamic_sampling or len(kept) < want):
+    while len(rounds) < rounds_allowed and (not cfg.dynamic_sampling or len(kept.groups) < want):
         try:
             prompts = source.draw(want)  # every rank draws the same list: a bad row fails every rank alike
         except DatasetError as e:
             raise DatasetError(not_applied(e, step)) from None
-        rnd = sample_round(step, len(rounds), shard_of(prompts, world), cfg, task, engine, policy, device, run_dir,
-                           times)
+        rnd = sample_round(run, step, len(rounds), shard_of(prompts, world), times)
         rounds.append(rnd)
-        if not cfg.dynamic_sampling:
-            break
-        for seqs, metas, rewards, per_func in world.gather((rnd.samples, rnd.metas, rnd.scored.rewards,
-                                                              rnd.scored.per_func)):
-            for i in range(0, len(seqs), g):
-                group = (seqs[i:i + g], metas[i:i + g], rewards[i:i + g], per_func[i:i + g])
-                if informative(group[2]):
-                    kept.append(group)
-                else:
-                    dropped += 1
+        if cfg.dynamic_sampling:
+            kept.add(rnd, world)
     metrics = _sampled_metrics(rounds, world)
     if cfg.dynamic_sampling:
-        groups, used = len(rounds) * want, min(len(kept), want)
-        metrics.update({"dynamic/rounds": float(len(rounds)), "dynamic/groups_sampled": float(groups),
-                        "dynamic/groups_dropped": float(dropped), "dynamic/groups_kept": float(used),
-                        "dynamic/groups_unused": float(len(kept) - used),
-                        "dynamic/round_limit": float(len(kept) < want)})
-        if len(kept) < want and world.is_main:
+        metrics.update(kept.metrics(len(rounds), want))
+        if len(kept.groups) < want and world.is_main:
             log.warning("step %d: dynamic sampling kept %d of %d groups with unequal rewards in %d rounds "
-                        "(--dynamic-sampling-max-rounds); training on those %d", step, len(kept), want, len(rounds),
-                        len(kept))
-        kept = kept[:want]
-        rewards = torch.cat([k[2] for k in kept]) if kept else torch.zeros(0)
-        advantages = grpo_advantages(rewards, g, scale=cfg.scale_rewards) if kept else rewards
-        share = even_slices(len(kept), world.size)[world.rank]  # shares differ by at most one group
-        mine = kept[share]
-        samples = [s for k in mine for s in k[0]]
-        metas = [m for k in mine for m in k[1]]
-        adv = advantages[share.start * g:share.stop * g]
-        if not samples and kept:  # this rank trains nothing this step: a zero-weight pass keeps collectives paired
-            samples, metas, adv = [Placeholder(kept[0][0][0])], [kept[0][1][0]], torch.zeros(1)
+                        "(--dynamic-sampling-max-rounds); training on those %d", step, len(kept.groups), want,
+                        len(rounds), len(kept.groups))
+        samples, metas, adv = kept.share(want, cfg.scale_rewards, world)
     else:
         rnd = rounds[0]
         samples, metas = rnd.samples, rnd.metas
         every = torch.cat(world.gather(rnd.scored.rewards))  # rank order = one process's order (batch std)
-        adv = shard_of(grpo_advantages(every, g, scale=cfg.scale_rewards), world)
+        adv = shard_of(grpo_advantages(every, cfg.group_size, scale=cfg.scale_rewards), world)
     report = None
     for rnd in rounds:
         report = _merge(report, rnd.report)
     sampled, sampled_metas = [s for r in rounds for s in r.samples], [m for r in rounds for m in r.metas]
     return Rollout(samples, metas, adv, sampled, sampled_metas, torch.cat([r.scored.rewards for r in rounds]),
                    torch.cat([r.scored.per_func for r in rounds]), rounds[0].scored.names, report, metrics)
+
+
+class KeptGroups:
+    """--dynamic-sampling's choice: the groups with unequal rewards of every round and rank, in the order they
+    were sampled, and how many were dropped."""
+
+    def __init__(self, group_size: int):
+        self.g = group_size
+        self.groups: list[tuple] = []
+        """(sequences, metas, rewards, per_func) of each kept group, every rank's, in order."""
+        self.dropped = 0
+
+    def add(self, rnd: Round, world: World) -> None:
+        """Keep the informative groups of a round (gathered from every rank, in rank order)."""
+        g = self.g
+        for seqs, metas, rewards, per_func in world.gather((rnd.samples, rnd.metas, rnd.scored.rewards,
+                                                              rnd.scored.per_func)):
+            for i in range(0, len(seqs), g):
+                group = (seqs[i:i + g], metas[i:i + g], rewards[i:i + g], per_func[i:i + g])
+                if informative(group[2]):
+                    self.groups.append(group)
+                else:
+                    self.dropped += 1
+
+    def metrics(self, rounds: int, want: int) -> dict:
+        used = min(len(self.groups), want)
+        return {"dynamic/rounds": float(rounds), "dynamic/groups_sampled": float(rounds * want),
+                "dynamic/groups_dropped": float(self.dropped), "dynamic/groups_kept": float(used),
+                "dynamic/groups_unused": float(len(self.groups) - used),
+                "dynamic/round_limit": float(len(self.groups) < want)}
+
+    def share(self, want: int, scale: str, world: World) -> tuple[list, list, torch.Tensor]:
+        """This rank's (samples, metas, advantages) of the first `want` kept groups: advantages over all of
+        them, then a contiguous share per rank (shares differ by at most one group; a rank left without one
+        trains a zero-weight Placeholder, so that the collectives pair up)."""
+        g, kept = self.g, self.groups[:want]
+        rewards = torch.cat([k[2] for k in kept]) if kept else torch.zeros(0)
+        advantages = grpo_advantages(rewards, g, scale=scale) if kept else rewards
+        share = even_slices(len(kept), world.size)[world.rank]
+        mine = kept[share]
+        samples = [s for k in mine for s in k[0]]
+        metas = [m for k in mine for m in k[1]]
+        adv = advantages[share.start * g:share.stop * g]
+        if not samples and kept:  # this rank trains nothing this step: a zero-weight pass keeps collectives paired
+            samples, metas, adv = [Placeholder(kept[0][0][0])], [kept[0][1][0]], torch.zeros(1)
+        return samples, metas, adv
 
 
 def _sampled_metrics(rounds: list[Round], world: World) -> dict:
