@@ -93,7 +93,8 @@ def test_data_order_is_epochs_of_seeded_shuffles():
 @pytest.mark.parametrize("content, needle", [
     ('{"question": "q"}\n', "has no `prompt` column (its columns: question); name the column"),
     ('{"prompt": 3}\n', "the `prompt` column holds Value('int64'), not strings or chat messages"),
-    ("", "datasets could not read it"),
+    ("", "bad.jsonl is empty (no rows); pass a file with at least one row"),
+    ("\n  \n", "bad.jsonl is empty (no rows)"),
     ('{"prompt": "a"}\n{"prompt": ', "datasets could not read it"),
 ])
 def test_a_bad_dataset_is_one_line(tmp_path, content, needle):

@@ -55,6 +55,9 @@ def length_bonus(prompts, completions, completion_ids, id, trainer_state, **kwar
 
 def raises(prompts, completions, completion_ids, **kwargs):
     return [1.0 / (len(c) - len(c)) for c in completion_ids]
+
+def never(prompts, completions, completion_ids, **kwargs):
+    return [None for _ in completion_ids]
 '''
 
 
@@ -251,6 +254,51 @@ def test_a_saved_dataset_with_chat_prompts_and_rewards_that_return_none(tiny_ckp
         if applied:
             assert m["reward/scored_only"] == pytest.approx(sum(applied) / len(applied), abs=1e-7)
     assert nones > 0  # some samples were not applicable, and the run went on
+
+
+def test_rewards_that_never_apply_say_nothing_could_be_scored(tiny_ckpt, files, caplog, recwarn):
+    """Every reward function returns None for every completion: the step says that nothing could be scored (not
+    that the groups' rewards are equal), takes no update, logs reward_mean and reward_std as NaN, and torch
+    warns of nothing (no std over zero samples)."""
+    from spirl.loops.run import train
+
+    cfg = _cfg(tiny_ckpt, files, "never", dataset=str(files / "data.jsonl"), steps=1, checkpoint_every=0,
+               reward=(f"{files / 'my_rewards.py'}:never",))
+    with caplog.at_level("WARNING", logger="spirl.loops"):
+        hist = train(cfg)
+    m = hist[0]
+    assert m["skipped_update"] == 1.0 and m["parity/tokens_different"] == 0
+    assert m["reward_mean"] != m["reward_mean"] and m["reward_std"] != m["reward_std"]  # NaN
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("step 1: nothing could be scored (every reward function returned None" in x for x in lines), lines
+    assert not any("equal rewards" in x for x in lines)
+    assert not [w for w in recwarn if "degrees of freedom" in str(w.message)]
+
+
+def test_advantage_std_sample_reaches_the_advantages_and_reward_std(tiny_ckpt, files, monkeypatch):
+    """--advantage-std sample against the default on the same step: the step's advantages are the ones
+    grpo_advantages computes with std="sample" (TRL's: tests/test_losses.py), reward_std is the Bessel-corrected
+    std of the same rewards (sqrt(n / (n - 1)) times the population one), the samples are the same."""
+    import math
+
+    from spirl.loops import rollout
+    from spirl.loops.run import train
+
+    runs, calls = {}, []
+    real = rollout.grpo_advantages
+    monkeypatch.setattr(rollout, "grpo_advantages", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    for std in ("population", "sample"):
+        cfg = _cfg(tiny_ckpt, files, f"std_{std}", dataset=str(files / "data.jsonl"), steps=1, checkpoint_every=0,
+                   reward=(f"{files / 'my_rewards.py'}:by_mode",), advantage_std=std)
+        with reward_log(files / f"std_{std}.log"):
+            runs[std] = train(cfg)[0]
+    assert [c["std"] for c in calls] == ["population", "sample"]
+    pop, sample = runs["population"], runs["sample"]
+    assert pop["reward_mean"] == sample["reward_mean"] and pop["completion_len_mean"] == sample["completion_len_mean"]
+    n = 4  # prompts_per_step 2 x group_size 2
+    assert pop["reward_std"] > 0 and math.isclose(sample["reward_std"], pop["reward_std"] * math.sqrt(n / (n - 1)),
+                                                    rel_tol=1e-6)
+    assert pop["skipped_update"] == sample["skipped_update"] == 0.0
 
 
 def test_reasoning_gym_task_runs_with_parity(tiny_ckpt, files):

@@ -225,6 +225,49 @@ def test_default_advantages_are_unchanged_bit_for_bit():
     assert torch.equal(grpo_advantages(r, 8), old)
 
 
+def _trl_advantages(rewards: torch.Tensor, g: int, scale: str) -> torch.Tensor:
+    """TRL 1.16's GRPOTrainer advantages (`_generate_and_score_completions`, multi_objective_aggregation
+    "sum_then_normalize"), its lines with its own `nanstd`: the reference for --advantage-std sample."""
+    from trl.trainer.utils import nanstd
+
+    mean = torch.nanmean(rewards.view(-1, g), dim=1).repeat_interleave(g, dim=0)
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards)
+    else:
+        std = nanstd(rewards.view(-1, g), dim=1).repeat_interleave(g, dim=0)
+    advantages = rewards - mean
+    if scale != "none":
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("g", [2, 4, 8])
+def test_sample_std_advantages_are_trls_bit_for_bit(scale, g):
+    """--advantage-std sample: TRL's advantages exactly (torch.equal), with unscorable (NaN) rewards, groups of
+    equal rewards and groups with one scorable reward (TRL's NaN std -> advantage 0)."""
+    gen = torch.Generator().manual_seed(g)
+    r = torch.rand(16 * g, generator=gen)
+    r[torch.rand(16 * g, generator=gen) < 0.2] = float("nan")
+    r[:g] = 0.5  # equal rewards
+    r[g:2 * g] = float("nan")
+    r[g] = 1.0  # one scorable reward
+    ours = grpo_advantages(r, g, scale=scale, std="sample")
+    assert torch.equal(ours, _trl_advantages(r, g, scale))
+    assert torch.equal(ours[:2 * g], torch.zeros(2 * g))
+
+
+def test_sample_std_is_larger_by_bessels_factor():
+    """Without NaNs the two stds differ by sqrt(G / (G - 1)): the population advantages are that much larger
+    (1.155x at G = 4). Tolerance 5e-4 of the ratio: the epsilons differ (1e-6 and 1e-4) against stds of 0.4-0.8,
+    a relative 2.5e-4 at most."""
+    r = torch.tensor([1.0, 0.0, 0.0, 0.5, 2.0, 0.0, 1.0, 1.0])
+    pop, sample = grpo_advantages(r, 4), grpo_advantages(r, 4, std="sample")
+    nonzero = pop != 0  # a reward equal to its group's mean has advantage 0 either way
+    assert nonzero.sum() == 6
+    assert torch.allclose(pop[nonzero] / sample[nonzero], torch.full((6,), (4 / 3) ** 0.5), rtol=0, atol=5e-4)
+
+
 def test_loss_menu_reads_the_config():
     cfg = SimpleNamespace(loss_type="cispo", importance_sampling_level="sequence", clip_eps_high=5.0)
     assert LossMenu.from_config(cfg) == LossMenu("cispo", "sequence", 5.0)

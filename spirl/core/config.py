@@ -21,6 +21,7 @@ DTYPES = ("bfloat16", "float32")
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo")
 IS_LEVELS = ("token", "sequence")
 REWARD_SCALES = ("group", "batch", "none")
+ADVANTAGE_STDS = ("population", "sample")
 ENGINES = ("vllm", "native")
 LOGPROBS_MODES = ("sampling", "raw")
 
@@ -82,8 +83,13 @@ class TrainConfig:
     logp - logp_old) (GSPO; TRL's importance_sampling_level). TRL's default, token."""
     scale_rewards: str = "group"
     """Advantage = reward - group mean, divided by: group = the group's reward std; batch = the whole
-    batch's (every rank's); none = nothing (Dr. GRPO). TRL's scale_rewards, and its default (group). The std
-    is the population std + 1e-6, as SPIRL has always computed it (TRL's: Bessel-corrected + 1e-4)."""
+    batch's (every rank's); none = nothing (Dr. GRPO). TRL's scale_rewards, and its default (group). Which
+    std: --advantage-std."""
+    advantage_std: str = "population"
+    """The std that --scale-rewards divides by, and that reward_std logs: population = divided by the count,
+    + 1e-6 (SPIRL's default, as it always was); sample = Bessel-corrected (divided by the count - 1), + 1e-4,
+    TRL's GRPOTrainer (its nanstd), so a TRL run ports exactly. With group size G the advantages differ by about
+    sqrt(G / (G - 1)) (1.155x at G = 4) unless the std is tiny."""
     mask_truncated_completions: int = 0
     """1 = completions cut at --max-new-tokens (no EOS) get no loss (they still count as sequences in
     grpo's and dr_grpo's means, not in dapo's token count), as TRL's mask_truncated_completions and DAPO's
@@ -280,6 +286,7 @@ class TrainConfig:
             (self.importance_sampling_level in IS_LEVELS,
              f"importance_sampling_level must be one of {', '.join(IS_LEVELS)}"),
             (self.scale_rewards in REWARD_SCALES, f"scale_rewards must be one of {', '.join(REWARD_SCALES)}"),
+            (self.advantage_std in ADVANTAGE_STDS, f"advantage_std must be one of {', '.join(ADVANTAGE_STDS)}"),
             (self.clip_eps_high >= 0, "clip_eps_high must be >= 0 (0 = the same as --clip-eps)"),
             (self.loss_type != "cispo" or self.clip_eps_high > 0,
              "--loss-type cispo needs --clip-eps-high: CISPO's eps_max, the bound of the importance weight "

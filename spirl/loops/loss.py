@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import objectives
-from ..core.config import LOSS_TYPES, REWARD_SCALES
+from ..core.config import ADVANTAGE_STDS, LOSS_TYPES, REWARD_SCALES
 
 ADV_EPS = 1e-6
 
@@ -43,23 +43,52 @@ def _nan_std(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     return torch.nan_to_num(var, nan=0.0).sqrt()
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = ADV_EPS, scale: str = "group") -> torch.Tensor:
+def _nan_sample_std(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """Bessel-corrected std (divide by the count - 1) over the non-NaN entries, NaN where fewer than two: TRL
+    1.16's `trl.trainer.utils.nanstd`, operation for operation."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(var, float("nan")))
+    std = torch.sqrt(var * correction)
+    return std if keepdim or dim is None else std.squeeze(dim)
+
+
+ADV_EPS_SAMPLE = 1e-4
+"""TRL's epsilon in A = (r - mean) / (std + eps)."""
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float | None = None, scale: str = "group",
+                    std: str = "population") -> torch.Tensor:
     """rewards float [B*G] (prompt-major, G = group_size per prompt; NaN = unscorable: every reward function
     returned None) -> advantages float32 [B*G].
 
-        A_i = (r_i - mean(group)) / (std + eps)     std: the *population* std (divide by the count)
+        A_i = (r_i - mean(group)) / (std + eps)
           scale="group": std of the group   (the GRPO paper; TRL's scale_rewards="group")
           scale="batch": std of the whole batch, every group   (TRL's "batch", PPO-Lite)
           scale="none":  no division: A_i = r_i - mean(group)   (Dr. GRPO; TRL's "none")
+          std="population": divide by the count, eps 1e-6 (SPIRL's default, unchanged)
+          std="sample": Bessel-corrected, eps 1e-4: TRL 1.16's formula operation for operation (a group with
+                        fewer than two scorable rewards gets advantage 0 there, as in TRL)
     Means and stds skip unscorable rewards (TRL's nanmean / nanstd), and an unscorable sample's advantage is 0.
-    A group of equal rewards gives exactly 0 (never NaN). TRL divides by the Bessel-corrected std + 1e-4;
-    SPIRL keeps the population std + 1e-6 it has always used (README: the loss menu)."""
+    A group of equal rewards gives exactly 0 (never NaN)."""
     r = rewards.to(torch.float32)
     if r.ndim != 1 or r.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(r.shape)}")
     if scale not in REWARD_SCALES:
         raise ValueError(f"scale must be one of {', '.join(REWARD_SCALES)}, got {scale!r}")
+    if std not in ADVANTAGE_STDS:
+        raise ValueError(f"std must be one of {', '.join(ADVANTAGE_STDS)}, got {std!r}")
     g = r.view(-1, group_size)
+    if std == "sample":
+        eps = ADV_EPS_SAMPLE if eps is None else eps
+        centered = g - torch.nanmean(g, dim=1, keepdim=True)
+        if scale == "group":
+            centered = centered / (_nan_sample_std(g, dim=1, keepdim=True) + eps)
+        elif scale == "batch":
+            centered = centered / (_nan_sample_std(r) + eps)
+        return torch.nan_to_num(centered, nan=0.0).reshape(-1)
+    eps = ADV_EPS if eps is None else eps
     if not torch.isnan(r).any():
         # every reward scored: mean and std themselves, not their NaN-skipping forms, which round differently in the
         # last bit on some CPUs (AMD EPYC, 2026-11-27), so that the default stays the formula SPIRL always used
@@ -75,6 +104,15 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = ADV_EPS
     elif scale == "batch":
         centered = centered / (_nan_std(r) + eps)
     return torch.nan_to_num(centered, nan=0.0).reshape(-1)
+
+
+def reward_std(rewards: torch.Tensor, std: str = "population") -> float:
+    """The logged reward_std of the scorable (non-NaN) rewards: population (divide by the count) or sample
+    (Bessel-corrected, TRL's reward_std); NaN when nothing was scored (or, for sample, only one reward)."""
+    r = rewards[~torch.isnan(rewards)]
+    if std == "sample":
+        return float(_nan_sample_std(r)) if r.numel() else float("nan")
+    return float(r.std(unbiased=False)) if r.numel() else float("nan")
 
 
 # -- normalizers --------------------------------------------------------------------------------------------

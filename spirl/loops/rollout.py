@@ -156,12 +156,12 @@ def collect(run: Run, step: int, times: dict) -> Rollout:
             log.warning("step %d: dynamic sampling kept %d of %d groups with unequal rewards in %d rounds "
                         "(--dynamic-sampling-max-rounds); training on those %d", step, len(kept.groups), want,
                         len(rounds), len(kept.groups))
-        samples, metas, adv = kept.share(want, cfg.scale_rewards, world)
+        samples, metas, adv = kept.share(want, cfg, world)
     else:
         rnd = rounds[0]
         samples, metas = rnd.samples, rnd.metas
         every = torch.cat(world.gather(rnd.scored.rewards))  # rank order = one process's order (batch std)
-        adv = shard_of(grpo_advantages(every, cfg.group_size, scale=cfg.scale_rewards), world)
+        adv = shard_of(grpo_advantages(every, cfg.group_size, scale=cfg.scale_rewards, std=cfg.advantage_std), world)
     report = None
     for rnd in rounds:
         report = _merge(report, rnd.report)
@@ -199,13 +199,13 @@ class KeptGroups:
                 "dynamic/groups_unused": float(len(self.groups) - used),
                 "dynamic/round_limit": float(len(self.groups) < want)}
 
-    def share(self, want: int, scale: str, world: World) -> tuple[list, list, torch.Tensor]:
+    def share(self, want: int, cfg, world: World) -> tuple[list, list, torch.Tensor]:
         """This rank's (samples, metas, advantages) of the first `want` kept groups: advantages over all of
         them, then a contiguous share per rank (shares differ by at most one group; a rank left without one
         trains a zero-weight Placeholder, so that the collectives pair up)."""
         g, kept = self.g, self.groups[:want]
         rewards = torch.cat([k[2] for k in kept]) if kept else torch.zeros(0)
-        advantages = grpo_advantages(rewards, g, scale=scale) if kept else rewards
+        advantages = grpo_advantages(rewards, g, scale=cfg.scale_rewards, std=cfg.advantage_std) if kept else rewards
         share = even_slices(len(kept), world.size)[world.rank]
         mine = kept[share]
         samples = [s for k in mine for s in k[0]]

@@ -37,11 +37,12 @@ from pathlib import Path
 import torch
 
 from ..core.distributed import even_slices
-from ..core.policy import Policy, sync_weights
+from ..core.policy import sync_weights
 from ..numerics.parity import sampled_logprobs
 from .rollout import Rollout, collect
 from .setup import Run
 from .timing import phase_metrics, timed
+from .loss import reward_std
 from .update import Placeholder, sampling_dist, train_minibatch
 
 log = logging.getLogger("spirl.loops.trainer")
@@ -66,19 +67,20 @@ def detect_retokenization(trajs, metas: list[dict], task, model, device) -> dict
     return summary.metrics()
 
 
-def step_scalars(policy: Policy, ro: Rollout) -> dict:
+def step_scalars(run: Run, ro: Rollout) -> dict:
     """The step's reward, parity and length scalars over every rank (on one process: of its own): rewards,
     parity and completion lengths of every sampled sequence (every round, kept or not), tokens_trained of
     what is trained. Rewards are gathered, so their mean and std are the one-process formulas (unscorable
-    samples, NaN, left out)."""
-    world = policy.world
+    samples, NaN, left out; reward_std is the population std, or the sample std with --advantage-std sample)."""
+    world = run.world
     sampled = sum(len(s.logprobs) for s in ro.sampled)
     trained = sum(len(s.logprobs) for s in ro.samples if not isinstance(s, Placeholder))
     compared, different, sampled, count, trained = world.all_sum([ro.report.tokens_compared, ro.report.tokens_different,
                                                                   sampled, len(ro.sampled), trained])
     every = torch.cat(world.gather(ro.sampled_rewards))
-    every = every[~torch.isnan(every)]
-    out = {"reward_mean": float(every.mean()), "reward_std": float(every.std(unbiased=False)),
+    scored = every[~torch.isnan(every)]
+    out = {"reward_mean": float(scored.mean()) if scored.numel() else float("nan"),
+           "reward_std": reward_std(every, run.cfg.advantage_std),
            "parity/tokens_compared": compared, "parity/tokens_different": different,
            "parity/max_abs_diff": world.all_max(ro.report.max_abs_diff),
            "completion_len_mean": sampled / count, "tokens_trained": trained}
@@ -86,6 +88,14 @@ def step_scalars(policy: Policy, ro: Rollout) -> dict:
         for r, (c, d) in enumerate(world.gather((ro.report.tokens_compared, ro.report.tokens_different))):
             out[f"parity/rank{r}/tokens_compared"], out[f"parity/rank{r}/tokens_different"] = float(c), float(d)
     return {**out, **ro.metrics}
+
+
+def no_signal(step: int, out: dict) -> str:
+    """Why a step whose advantages are all 0 takes no update, in one line."""
+    if out["reward_mean"] != out["reward_mean"]:  # NaN: no sample of any rank was scorable
+        return (f"step {step}: nothing could be scored (every reward function returned None for every completion), "
+                "so every advantage is 0: no update this step")
+    return f"step {step}: every group has equal rewards, so every advantage is 0: no update this step"
 
 
 def run_step(run: Run, step: int, stop=None) -> dict | None:
@@ -105,13 +115,13 @@ def run_step(run: Run, step: int, stop=None) -> dict | None:
                       run.task, ro.sampled_rewards)
     if hasattr(run.engine, "sleep"):
         run.engine.sleep()  # free the KV cache while the trainer trains (--vllm-sleep)
-    out = step_scalars(run.policy, ro)
+    out = step_scalars(run, ro)
     if multi_turn and run.cfg.detect_retokenization and ro.samples:
         with torch.no_grad():
             out.update(detect_retokenization(ro.samples, ro.metas, run.task, run.policy.model, run.device))
     if not world.any(bool((ro.advantages != 0).any())):
         if world.is_main:  # decided over all ranks: said once
-            log.warning("step %d: every group has equal rewards, so every advantage is 0: no update this step", step)
+            log.warning(no_signal(step, out))
         out["skipped_update"] = 1.0
     else:
         out.update(train_on(run, ro, times))

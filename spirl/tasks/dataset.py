@@ -90,6 +90,8 @@ def load_rows(path: str, split: str = "train", flag: str = "--dataset"):
     try:
         with _quiet_progress():
             if p.is_file():
+                if _blank(p):  # datasets' JSON reader fails on it with a bare StopIteration
+                    raise DatasetError(f"{flag} {path} is empty (no rows); pass a file with at least one row")
                 builder = FILE_BUILDERS.get(p.suffix.lower())
                 if builder is None:
                     raise DatasetError(f"{flag} {path}: cannot read a {p.suffix or 'suffix-less'} file; pass a "
@@ -111,6 +113,13 @@ def load_rows(path: str, split: str = "train", flag: str = "--dataset"):
         where = "" if p.exists() else " (no such file or directory; an id needs the Hub, i.e. a network)"
         raise DatasetError(f"{flag} {path}{where}: datasets could not read it ({type(e).__name__}: {first})") from None
     return check_rows(rows, path, flag)
+
+
+def _blank(p: Path) -> bool:
+    """The file holds nothing but whitespace."""
+    with open(p, "rb") as f:
+        head = f.read(1 << 16)
+    return not head.strip() and p.stat().st_size <= len(head)
 
 
 def check_rows(rows, path: str, flag: str = "--dataset"):
