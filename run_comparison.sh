@@ -48,4 +48,5 @@ done
 
 export VLLM_BATCH_INVARIANT=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
 export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" PYTHONUNBUFFERED=1
-exec "${PYTHON:-python}" "$here/compare/direct_forward.py" --model "$model" --prompt "$prompt" "${args[@]}"
+# -m with the repo root on PYTHONPATH: runs from a checkout, installed or not
+PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python}" -m compare.direct_forward --model "$model" --prompt "$prompt" "${args[@]}"

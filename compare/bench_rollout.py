@@ -32,7 +32,7 @@ skipped; the first engine's share of the budget is 1/len(engines)). By default t
 the other; with --paired they are all built on the GPU at once (1/N of the memory each) and each cell's
 runs alternate between them, the idle engines' processes stopped, so that a shared host's slow minutes fall
 on every engine alike (at Qwen3-1.7B one engine's decode step moved 3.5 -> 6.0 ms between two runs minutes
-apart). Measured at Qwen3-8B (session 48), a paired engine's runs still spread more than one run alone
+apart). Measured at Qwen3-8B (H100, 2026-11-27), a paired engine's runs still spread more than one run alone
 (SPIRL's 1.2-7.3 % within a cell against 0.9-2.4 %): docs/rollout-profile.md. At the end, and with --plot,
 the report lists the worst cells and every cell above --goal, and --png draws the heatmap (matplotlib).
 """
@@ -54,9 +54,10 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from compare import rollout_sweep as sw
 
-from compare import rollout_sweep as sw  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root (a worker's PYTHONPATH)."""
 
 GRACE_S = 45.0
 """How long past its deadline a sweep worker may run (finishing a cell whose estimate was too low) before
@@ -326,8 +327,11 @@ def parse_cases(args) -> list[tuple[int, int, int]]:
 
 
 def worker_env(name: str) -> dict:
+    """A worker's environment; the repo root leads PYTHONPATH, so that the worker (this file run by path) imports
+    this checkout's `compare` and `spirl`, installed or not."""
     env = {**os.environ, "VLLM_BATCH_INVARIANT": "0" if name == "plain" else "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if name.endswith(TRITON_ONLY):
         env["SPIRL_GEMM_CUBLAS"] = "0"
@@ -417,14 +421,14 @@ def _die_with_parent() -> None:
 
 
 class ServedEngine:
-    """One `--paired` engine: its worker process (`serve`), started with `start`, asked for runs with `run`, ended
-    with `close`. Its stdout is read by a thread into a queue (JSON rows only; vLLM logs to stderr, which goes to a
-    temporary file whose end an `EngineFailed` quotes). Between its runs the process is stopped (SIGSTOP; SIGCONT
-    for the next run), so that an idle engine's process takes nothing from the one being timed. Measured (session
-    48, H100, Qwen3-8B, the same six 16-token-prompt cells, three runs each, one machine per call): the spread of
-    SPIRL's engine's runs within a cell was 0.7-15.7 % (mean 10.5) with the other engine's process left running and
-    1.2-7.3 % (mean 3.9) with it stopped; plain vLLM's 3.7-20.9 % (9.5) and 3.1-13.5 % (7.7); one engine after the
-    other (no --paired; five such cells, another call) 0.9-2.4 % and 4.3-10.8 % (docs/rollout-profile.md, session 48)."""
+    """One `--paired` engine: its worker process (`serve`), started with `start`, asked for runs with `run`, ended with
+    `close`. Its stdout is read by a thread into a queue (JSON rows only; vLLM logs to stderr, which goes to a
+    temporary file whose end an `EngineFailed` quotes). Between its runs the process is stopped (SIGSTOP; SIGCONT for
+    the next run), so that an idle engine's process takes nothing from the one being timed. Measured (H100, 2026-11-27,
+    Qwen3-8B, the same six 16-token-prompt cells, three runs each): the spread of SPIRL's engine's runs within a cell
+    was 0.7-15.7 % (mean 10.5) with the other engine's process left running and 1.2-7.3 % (mean 3.9) with it stopped;
+    plain vLLM's 3.7-20.9 % (9.5) and 3.1-13.5 % (7.7); one engine after the other (no --paired; five such cells)
+    0.9-2.4 % and 4.3-10.8 % (docs/rollout-profile.md)."""
 
     def __init__(self, name: str, cmd: list[str], env: dict):
         self.name = name
@@ -751,7 +755,7 @@ def parse_args(argv):
     g.add_argument("--grid-new-tokens", type=int, default=sw.DEFAULT_NEW_TOKENS, help="new tokens per sequence")
     g.add_argument("--budget-s", type=float, default=540.0,
                    help="wall clock of the whole command (checkpoint, engine starts, cells); cells left over "
-                        "are run by the same command again (default 540: a 600 s GPU call with a minute spare)")
+                        "are run by the same command again (default 540: a 10-minute job with a minute to spare)")
     g.add_argument("--results", action="append", default=[],
                    help="JSON-lines results file; new rows go to the first, all are read (resume, report); "
                         "repeat it to merge the files of several calls")

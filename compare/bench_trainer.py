@@ -4,14 +4,14 @@
         [--shapes 8x1024,2x8192,mixed64] [--iters 5] [--warmup 2] [--json OUT] [--device cuda]
         [--activation-checkpointing 0|1] [--tt-attn auto|sdpa|varlen|flex] [--peak-tflops F]
         [--lora-rank R [--lora-targets T]]
-    GPU host:  source .gpu/device-env.sh && VLLM_BATCH_INVARIANT=1 python compare/bench_trainer.py
+    GPU host:  VLLM_BATCH_INVARIANT=1 python compare/bench_trainer.py
     CPU smoke: python compare/bench_trainer.py --device cpu --shape tiny --shapes 2x64,mixed4 --dtype float32
 
 In one process, on one checkpoint (--model, or random weights of --shape) and the same token ids,
 both models compute what the GRPO loss is built on: the log-probability of every next token (rows
 0..L-2 of each sequence predict tokens 1..L-1), summed; fwd+bwd backpropagates that sum into the
 bf16 parameters. Shapes: BxS (B sequences of S tokens) or mixedN (N sequences, lengths uniform in
-32..2048 from torch.Generator seed 0: the batch of compare/bench_attention_backward.py).
+32..2048: torch.randint(32, 2049, (N,)) from torch.Generator seed 0).
   ours        the trainer's own path, spirl.numerics.parity.sampled_logprobs, on weights_vllm_compat's
               Qwen3VLLMCompatModel (backend auto: vLLM's batch-invariant kernels on CUDA, reference
               ops on CPU), one packed varlen batch. The host-side packing that path does on every
@@ -67,11 +67,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 SUM_REL_TOL, TOKEN_RMS_TOL = 1e-2, 0.25
 PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0))

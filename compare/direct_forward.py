@@ -15,13 +15,11 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+import torch
 
-import torch  # noqa: E402
-
-from compare.harness import OPS, HarnessConfig, ParityHarness  # noqa: E402
-from compare.table import format_rows  # noqa: E402
-from torchtitan_compat.tokenizer import NUM_BPE_TOKENS  # noqa: E402
+from compare.harness import OPS, HarnessConfig, ParityHarness
+from compare.table import format_rows
+from torchtitan_compat.tokenizer import NUM_BPE_TOKENS
 
 log = logging.getLogger("direct_forward")
 

@@ -33,8 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from compare.phase_table import read_steps, summarize  # noqa: E402
+from compare.phase_table import read_steps, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 DAPO = ["--loss-type", "dapo", "--clip-eps-high", "0.28", "--mask-truncated-completions", "1"]

@@ -1,6 +1,6 @@
 """Does vLLM's own LoRA (`LoRARequest`) load a SPIRL adapter and compute what SPIRL trained?
 
-    source .gpu/device-env.sh && VLLM_BATCH_INVARIANT=1 python compare/lora_in_vllm.py --model BASE --adapter DIR
+    VLLM_BATCH_INVARIANT=1 python compare/lora_in_vllm.py --model BASE --adapter DIR
 
 One vLLM engine built with `enable_lora=True` on the base checkpoint scores a few random sequences
 (prompt_logprobs: the logprob of every token given its prefix) three ways: with the adapter as a
@@ -19,8 +19,6 @@ import json
 import os
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RATIO_TOL = 0.25
 

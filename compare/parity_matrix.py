@@ -24,13 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from compare.harness import OPS, HarnessConfig, ParityHarness  # noqa: E402
-from spirl.numerics.parity import compare_logprobs  # noqa: E402
-from torchtitan_compat.tokenizer import NUM_BPE_TOKENS  # noqa: E402
+from compare.harness import OPS, HarnessConfig, ParityHarness
+from spirl.numerics.parity import compare_logprobs
+from torchtitan_compat.tokenizer import NUM_BPE_TOKENS
 
 
 def random_prompts(lengths, seed):

@@ -25,9 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from compare.rollout_sweep import GOAL, parse_ints, print_ratio_table  # noqa: E402
+from compare.rollout_sweep import GOAL, parse_ints, print_ratio_table
 
 
 def read_rows(path: str) -> dict[tuple[int, int, int], dict[str, float]]:

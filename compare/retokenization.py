@@ -9,14 +9,11 @@ with the naive tokens' logprobs, and a summary (smoking guns: trained tokens wit
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+import torch
 
-import torch  # noqa: E402
-
-from spirl.loops.retokenization import SMOKING_GUN_LOGPROB, DetectorSummary, DiffRegion, detect  # noqa: E402
+from spirl.loops.retokenization import SMOKING_GUN_LOGPROB, DetectorSummary, DiffRegion, detect
 
 
 # -- report -----------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ the engine's steps: the first steps' wall times (the prefill, then the first dec
 rest, and the host time of `execute_model` (inputs prepared, the forward launched: a CUDA-graph replay, or every
 kernel launched one by one when the step is above the largest graph) and of `sample_tokens` (the logits, the
 sampler). With vLLM's asynchronous scheduling the host prepares step N + 1 while the GPU runs step N, so a step
-whose host time exceeds its GPU time shows up here and not in compare/profile_decode.py's kernel time (session 46:
-an 8B prefill of 2,064 tokens, one above the largest graph, took 67 ms of host time against 53 ms of kernels).
+whose host time exceeds its GPU time shows up here and not in compare/profile_decode.py's kernel time (H100,
+2026-11-27: an 8B prefill of 2,064 tokens, one above the largest graph, took 67 ms of host time against 53 ms of
+kernels).
 The GPU time of each model call and each sampling (CUDA events around them on the main stream: the kernels plus
 any wait for the host inside the call, an upper bound on the kernels) tells a step that waits for the GPU from one
 that waits for the host; Python's garbage collections during a run are counted and timed (a collection stalls
@@ -37,9 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from compare.rollout_sweep import GOAL, print_ratio_table  # noqa: E402
+from compare.rollout_sweep import GOAL, print_ratio_table
 
 
 def parse_cells(text: str) -> list[tuple[int, int]]:
@@ -105,7 +104,7 @@ def compare_cells(ours: dict, plain: dict) -> list[dict]:
             sums = [r.get("gpu_ms_sum") for r in row["runs"]]
             if not sums or None in sums:
                 raise SystemExit(f"error: cell {key[0]}x{key[1]} of {name} has no GPU time per rollout (gpu_ms_sum, "
-                                 "written since session 52): run it again with this tool")
+                                 "written since 13ab750): run it again with this tool")
             gpu.append(statistics.median(sums))
         wall = [statistics.median(row["seconds_each"]) for row in (o, p)]
         out.append({"batch": key[0], "prompt": key[1], "new_tokens": key[2], "wall_s": wall, "gpu_ms": gpu,

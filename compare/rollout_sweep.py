@@ -1,6 +1,6 @@
 """The rollout sweep's host side (`compare/bench_rollout.py --sweep`, issue 39): the grid of decode batch
-sizes x prompt lengths, a time estimate that fits the grid into one GPU call, the results as JSON lines
-that several calls merge into one table, the worst cells and a heatmap.
+sizes x prompt lengths, a time estimate that fits the grid into one call's --budget-s, the results as JSON
+lines that several calls (invocations of the command) merge into one table, the worst cells and a heatmap.
 
 Nothing here imports torch or vLLM: the engines run in bench_rollout.py's worker processes, and this
 module is tested on the CPU with recorded timings (tests/test_rollout_sweep.py).
@@ -67,7 +67,7 @@ kernels.gemm.pick_config boundary a decode step reaches (16/24, 64/72, 128/136, 
 Under CUDA graphs a decode step's GEMMs run the padded size (17 rows run as 24, 257 as 272): a
 decode GEMM's row count is always a capture size, in both engines, and an odd batch adds only the
 padded rows' work. `--grid-batches capture,odd` widens the grid to every capture size and one odd size
-per gap (100), `1-512` to every size; a wide grid takes several GPU calls (the results file resumes)."""
+per gap (100), `1-512` to every size; a wide grid takes several calls of the command (the results file resumes)."""
 DEFAULT_PROMPTS = (16, 128, 512, 2048, 8192)
 """The default prompt lengths: 16 to 8k tokens, the README table's 512 and 2048 among them."""
 DEFAULT_NEW_TOKENS = 64
@@ -173,7 +173,7 @@ class ModelSize:
 @dataclass(frozen=True)
 class Rates:
     """One H100 80GB's rates behind the estimate, read off docs/rollout-profile.md and docs/cold-start.md
-    (2026-11-25/26) and rounded to the slow side: the estimate is for fitting a grid into a GPU call, never
+    (2026-11-25/26) and rounded to the slow side: the estimate is for fitting a grid into --budget-s, never
     a measurement. Checked against the fifth run's rollouts (x 512 x 256): decode steps at 1.7B b1/b64/b256
     estimate 2.8/5.1/11.8 ms, against 2.8/4.7/10.3 ms derived from the measured tok/s less the prefill (the
     first profile's 1.7B prefill times; about 40k tokens/s at 8B, fourth run), and at 8B 7.6/10.4/20.9 ms

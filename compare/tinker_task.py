@@ -20,14 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import chz  # noqa: E402
-import tinker  # noqa: E402
-from tinker_cookbook.completers import StopCondition  # noqa: E402
-from tinker_cookbook.eval.evaluators import SamplingClientEvaluator  # noqa: E402
-from tinker_cookbook.rl import train  # noqa: E402
-from tinker_cookbook.rl.types import (Action, Env, EnvGroupBuilder, Observation, RLDataset,  # noqa: E402
+import chz
+import tinker
+from tinker_cookbook.completers import StopCondition
+from tinker_cookbook.eval.evaluators import SamplingClientEvaluator
+from tinker_cookbook.rl import train
+from tinker_cookbook.rl.types import (Action, Env, EnvGroupBuilder, Observation, RLDataset,
                                       RLDatasetBuilder, StepResult)
 
 IM_END = "<|im_end|>"

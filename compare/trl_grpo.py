@@ -27,8 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def dataset_rows(task, steps: int, prompts_per_step: int, seed: int) -> list[dict]:
     """The prompts simple_rl.py draws for steps 1..steps (spirl.loops.rollout.PromptSource), as TRL rows."""

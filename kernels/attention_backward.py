@@ -102,7 +102,7 @@ CONFIGS: dict[int, AttentionBwdConfig] = {
     # keeps two fp32 [128, D] accumulators in registers (128 per thread at D = 128), so its query
     # step is what fits beside them: compiled for sm_90 (Triton 3.9, ptxas), BLOCK_M1 = 64 at
     # D = 128 spills inside the inner loop, 32 does not; at D = 64, 64 fits. Retune with
-    # `compare/bench_attention_backward.py --sweep`.
+    # `compare/bench_attention_backward.py --sweep` (`git show 6396e11:compare/bench_attention_backward.py`).
     64: AttentionBwdConfig(block_m1=64, block_n1=128, warps1=8, stages1=2,
                            block_m2=128, block_n2=64, warps2=8, stages2=3),
     128: AttentionBwdConfig(block_m1=32, block_n1=128, warps1=8, stages1=2,

@@ -12,7 +12,7 @@ count or pipeline depth gives the same bits, as long as
   * BLOCK_K is 64 and the K loop runs in the same order with the same zero-padded tail, and
   * each 64-wide chunk is one `tl.dot` into the fp32 accumulator. On the H100 both instruction
     families Triton lowers it to (wgmma for BLOCK_M a multiple of 64 with >= 4 warps; mma.sync for
-    16-row tiles) gave vLLM's bits in every case measured (compare/bench_gemm.py, 2026-11-25).
+    16-row tiles) gave vLLM's bits in every case measured (6396e11:compare/bench_gemm.py, 2026-11-25).
 
 That is what this kernel keeps, and what `tests/gpu/test_gemm.py` proves bit for bit against
 vLLM's kernel over shapes and every config in `CONFIGS`. The config is then chosen by M: small
@@ -285,7 +285,7 @@ CONFIGS = {
     "m128_n256_s4": (128, 256, 8, 8, 4),
     "m128_n64": (128, 64, 8, 4, 4),
     # TMA loads and stores (`_bi_matmul_tma_kernel`), not picked: bitwise vLLM's (tests/gpu/test_gemm.py),
-    # and at 8192 rows tma_m128_n256 beat m256_n128 by 1-8 % on qkv/o/gate_up/down (compare/bench_gemm.py,
+    # and at 8192 rows tma_m128_n256 beat m256_n128 by 1-8 % on qkv/o/gate_up/down (6396e11:compare/bench_gemm.py,
     # H100), but the one end-to-end try (tma_m256_n128, tma_m128_n128 for qkv) made the trainer's forward
     # 1.01-1.05x torchtitan, against 0.98-1.02x with the pointer kernel's m256_n128.
     "tma_m128_n128": (128, 128, 8, 8, 4),
@@ -387,10 +387,10 @@ _H100_SMS = 132
 
 def pick_config(m: int, n: int, k: int) -> str:
     """Tile config for an [m, k] x [k, n] product. Every config gives the same bits (module doc), so this picks for
-    speed only, from `compare/bench_gemm.py` on H100s at the Qwen3-1.7B, 4B and 8B linear shapes (since session 42
-    with `--graph`: CUDA-graph replays with the weights from HBM, as decode runs them; do_bench's Python launches
-    cost 70-90 us of host time per TMA-descriptor launch there). Each rule's measurements, and the tiles that lost,
-    are in docs/rollout-profile.md (issues 28 and 39, one section per session); _H100_SMS is the wave size.
+    speed only, from `6396e11:compare/bench_gemm.py` on H100s at the Qwen3-1.7B, 4B and 8B linear shapes (from
+    2026-11-27 with `--graph`: CUDA-graph replays with the weights from HBM, as decode runs them; do_bench's Python
+    launches cost 70-90 us of host time per TMA-descriptor launch there). Each rule's measurements, and the tiles that
+    lost, are in docs/rollout-profile.md (issues 28 and 39, one section per session); _H100_SMS is the wave size.
 
     * At most 16 rows and outputs wider than 4096: the swapped-operand kernel (the few activation rows are the MMA's
       narrow side), 32 weight rows per program up to 16,384 wide, else 16 with 16 stages (lm_head: 8B 416-423 us
@@ -486,8 +486,8 @@ def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
     at up to 128 rows none where K < 8192 and the pointer kernel's 64x64 tiles make one wave. Outputs wider than
     8192 meet them only where 64x256 tiles make one wave (Qwen3-32B qkv, 10,240 wide, at up to 192 rows).
 
-    Measured (H100, `bench_gemm.py --graph`, all bitwise vLLM's; docs/rollout-profile.md, sessions 44-45): the
-    pointer kernel moved the same bytes as cuBLAS with 4x its instructions (ncu, 8B o at 160 rows), which a TMA
+    Measured (H100, `6396e11:compare/bench_gemm.py --graph`, all bitwise vLLM's; docs/rollout-profile.md, 2026-11-27):
+    the pointer kernel moved the same bytes as cuBLAS with 4x its instructions (ncu, 8B o at 160 rows), which a TMA
     loader warp removes (kernels/gemm_ws.py); with the last row tile loading only its own rows ("Row tails" there),
     per 8B layer at 136 rows qkv + o + down 89.0 us against 101.7 with session 44's picks and cuBLAS's 84.1 (down
     44.9 against 46.5); at 1.7B within 4 % of the best of the four tiles at 128-512 rows except qkv at 264-272 rows,

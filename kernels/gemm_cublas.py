@@ -6,8 +6,8 @@ Why cuBLAS can: vLLM 0.26's batch-invariant mode sets cuBLAS up on Hopper withou
 `enable_batch_invariant_mode`: a 1 KiB cuBLASLt workspace, no reduced-precision reductions, cuBLASLt). Each output
 element is then one fp32 accumulator fed by the tensor cores' MMAs in K order and rounded once to bf16, which is
 what vLLM's Triton kernel computes (kernels/gemm.py's module doc), whatever tiles cuBLAS picks. Measured on an H100
-(session 49, torch 2.11.0+cu130's cuBLAS, `compare/bench_gemm.py --bits-only --cublas-as-vllm`): bitwise equal to
-vLLM's `linear_batch_invariant` in 11,520 of 11,520 (layer, rows) cases at each of Qwen3-1.7B and Qwen3-8B (every
+(2026-11-28, torch 2.11.0+cu130's cuBLAS, `6396e11:compare/bench_gemm.py --bits-only --cublas-as-vllm`): bitwise equal
+to vLLM's `linear_batch_invariant` in 11,520 of 11,520 (layer, rows) cases at each of Qwen3-1.7B and Qwen3-8B (every
 linear; rows 1-2,048 and every 24th to 8,176). Why it should: at 65-512 rows, a decode step's sizes, cuBLAS was
 up to 1.7x faster than the best Triton tile (`--graph`: 8B gate_up at 272 rows 87 us against 130, 1.7B gate_up
 at 272 rows 25 against 43; docs/rollout-profile.md, issue 39, session 49).
@@ -87,22 +87,22 @@ TIMED_ROWS = 64
 
 
 def keep_triton(m: int, n: int, k: int) -> bool:
-    """Products left on `kernels.gemm` although cuBLAS would give its bits (H100, `compare/bench_gemm.py --graph
-    --cublas-as-vllm`, session 49): more than MAX_ROWS rows; and vocabulary-wide outputs above 512 rows: at 1,024
-    rows the Triton kernel took 0.98x (8B) and 1.05x (1.7B) cuBLAS's time, and vLLM's sampler warm-up runs lm_head
-    on max_num_seqs rows (1,024 by default) during its memory profile. At 65-512 rows cuBLAS was up to 1.36x faster
-    on the H100 (at 1-64 rows see `timed`)."""
+    """Products left on `kernels.gemm` although cuBLAS would give its bits (H100, `6396e11:compare/bench_gemm.py
+    --graph --cublas-as-vllm`, 2026-11-28): more than MAX_ROWS rows; and vocabulary-wide outputs above 512 rows: at
+    1,024 rows the Triton kernel took 0.98x (8B) and 1.05x (1.7B) cuBLAS's time, and vLLM's sampler warm-up runs
+    lm_head on max_num_seqs rows (1,024 by default) during its memory profile. At 65-512 rows cuBLAS was up to 1.36x
+    faster on the H100 (at 1-64 rows see `timed`)."""
     return m > MAX_ROWS or (n > VOCAB_WIDE and m > 512)
 
 
 def timed(m: int, n: int, k: int) -> bool:
     """Products where the faster of cuBLAS and `kernels.gemm` is measured on the GPU at hand, at the check: lm_head
-    at 1-64 rows. There the GPUs disagree (`compare/bench_gemm.py --layers lm_head --graph --cublas-as-vllm`): on an
-    H100 the swapped-operand Triton kernel was 2-7 % faster than cuBLAS (session 49: 8B 407-445 us against 436-454,
-    1.7B 205-229 against 219-234), on an H200 0-17 % slower (session 54: 1.7B at 1 / 2 / 8 rows 157.8 / 167.7 / 169.2
-    us against 144.4 / 145.9 / 146.8; 8B at 32 / 64 rows 324.5 / 349.1 against 295.2 / 298.8). Timed this way at
-    every row count 1-64 on an H200 (session 55, tests/gpu/test_gemm_cublas_gpu.py): cuBLAS faster at all 64 at
-    1.7B (149-160 us against 160-183), at 2-64 at 8B (296-311 against 306-349), kernels.gemm at 8B's 1 row (291 against
+    at 1-64 rows. There the GPUs disagree (`6396e11:compare/bench_gemm.py --layers lm_head --graph --cublas-as-vllm`):
+    on an H100 the swapped-operand Triton kernel was 2-7 % faster than cuBLAS (2026-11-28: 8B 407-445 us against
+    436-454, 1.7B 205-229 against 219-234), on an H200 0-17 % slower (session 54: 1.7B at 1 / 2 / 8 rows 157.8 /
+    167.7 / 169.2 us against 144.4 / 145.9 / 146.8; 8B at 32 / 64 rows 324.5 / 349.1 against 295.2 / 298.8). Timed this way
+    at every row count 1-64 on an H200 (session 55, tests/gpu/test_gemm_cublas_gpu.py): cuBLAS faster at all 64 at 1.7B
+    (149-160 us against 160-183), at 2-64 at 8B (296-311 against 306-349), kernels.gemm at 8B's 1 row (291 against
     296); the engine then picks per row count on whichever GPU it runs."""
     return n > VOCAB_WIDE and m <= TIMED_ROWS  # never kept on Triton (keep_triton: above 512 rows)
 

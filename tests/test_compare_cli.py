@@ -93,32 +93,3 @@ def test_swapped_norm_or_rotary_reaches_the_models_fused_qk_step(op):
     rot = ref.rotary if op == "rotary" else base.rotary
     want = rot(pos, norm(q, w, 1e-6), norm(k, w, 1e-6), cache)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-def test_bench_launch_refuses_to_run_without_a_gpu(capsys, monkeypatch):
-    from compare import bench_launch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit) as e:
-        bench_launch.main(["--shape", "Qwen3-1.7B"])
-    assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
-
-
-def test_bench_gemm_lists_row_counts_as_runs():
-    from compare.bench_gemm import spans
-
-    assert spans([11, 1, 2, 3, 8, 10]) == "1-3,8,10-11"
-    assert spans([5]) == "5" and spans([]) == ""
-
-
-def test_bench_gemm_and_bench_launch_pick_layers_by_name(capsys):
-    import argparse
-
-    from compare.bench_gemm import chosen_layers
-
-    shapes, layers = chosen_layers(argparse.ArgumentParser(), "Qwen3-1.7B", None)
-    assert layers == list(shapes) and "lm_head" in layers
-    assert chosen_layers(argparse.ArgumentParser(), "Qwen3-1.7B", "o,down")[1] == ["o", "down"]
-    with pytest.raises(SystemExit) as e:
-        chosen_layers(argparse.ArgumentParser(), "Qwen3-1.7B", "o,gate")
-    assert e.value.code == 2 and "unknown --layers ['gate']; Qwen3-1.7B has qkv" in capsys.readouterr().err

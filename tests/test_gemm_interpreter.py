@@ -52,13 +52,14 @@ def _decode_step_picks():
     """(shape, layer, N, K, rows, pick) for every real Qwen3 linear at every decode step of 65-512 rows: the
     CUDA-graph capture sizes vLLM 0.26 uses on an H100 (`compare.rollout_sweep.capture_sizes`), which a
     decode step's GEMMs always run at."""
-    from compare.bench_gemm import layer_shapes
+    import weights_vllm_compat
     from compare.rollout_sweep import capture_sizes
-    from torchtitan_compat.config import SHAPES
+    from torchtitan_compat.config import SHAPES, hf_config_for_shape, model_args_from_hf_config
 
     rows = [m for m in capture_sizes() if m > 64]
     for shape in (s for s in SHAPES if s.startswith("Qwen3")):
-        for layer, (n, k) in layer_shapes(shape).items():
+        args = model_args_from_hf_config(hf_config_for_shape(shape))
+        for layer, (n, k) in weights_vllm_compat.linear_shapes(args).items():
             for m in rows:
                 yield shape, layer, n, k, m, pick_config(m, n, k)
 
@@ -113,11 +114,11 @@ def test_stream_k_carries_each_tile_s_accumulator_exactly_and_leaves_the_flags_z
 
 
 def test_deep_pipeline_decode_tiles_are_picked_only_where_they_make_one_wave():
-    """The 8-stage pointer tiles (session 43) and the warp-specialized tiles (session 44) hold one program per SM
+    """The 8-stage pointer tiles and the warp-specialized tiles (both 2026-11-27) hold one program per SM
     (160-205 KB of shared memory); picked where the tiles would need a second wave, a program would wait for an
     SM (they were timed, and won, only as one wave). Each must also be picked somewhere among the real Qwen3
     linears at decode steps of 65-512 rows, and the warp-specialized tiles of 128 x 128 elements or more only
-    where K is at least 2560 (at K = 2048 the persistent kernel was faster there: Qwen3-1.7B qkv, sessions 44-45)."""
+    where K is at least 2560 (at K = 2048 the persistent kernel was faster there: Qwen3-1.7B qkv, H100, 2026-11-27)."""
     import triton
 
     from kernels.gemm import _H100_SMS
@@ -135,7 +136,7 @@ def test_deep_pipeline_decode_tiles_are_picked_only_where_they_make_one_wave():
 
 def test_pointer_tiles_stay_where_they_make_one_wave_at_up_to_128_rows():
     """At decode steps of 65-128 rows, where the pointer kernel's 64x32 or 64x64 tiles make one wave, they beat
-    the warp-specialized tiles at K < 8192 (Qwen3-1.7B o/down, 8B o at 72-128 rows, sessions 44-45), so those keep
+    the warp-specialized tiles at K < 8192 (Qwen3-1.7B o/down, 8B o at 72-128 rows, H100, 2026-11-27), so those keep
     them; at 8B down (K = 12,288) the warp-specialized tiles won (128 rows: 43.9 us against 48.2)."""
     import triton
 

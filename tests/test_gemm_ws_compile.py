@@ -13,10 +13,16 @@ WS_CONFIGS = [c for c in gemm.CONFIGS if c.startswith("ws_")]
 SWAPPED_CONFIGS = [c for c in gemm.CONFIGS if c.startswith("wsx_")]
 
 
-def test_there_are_warp_specialized_configs_and_they_are_picked():
-    from compare.bench_gemm import layer_shapes
+def _qwen3_8b_linear(name: str) -> tuple[int, int]:
+    """(N, K) of one of Qwen3-8B's linears by name (weights_vllm_compat.linear_shapes)."""
+    import weights_vllm_compat
+    from torchtitan_compat.config import hf_config_for_shape, model_args_from_hf_config
 
-    n, k = layer_shapes("Qwen3-8B")["down"]
+    return weights_vllm_compat.linear_shapes(model_args_from_hf_config(hf_config_for_shape("Qwen3-8B")))[name]
+
+
+def test_there_are_warp_specialized_configs_and_they_are_picked():
+    n, k = _qwen3_8b_linear("down")
     assert WS_CONFIGS and gemm.pick_config(160, n, k) in WS_CONFIGS
 
 
@@ -70,11 +76,9 @@ def test_swapped_token_parts_cover_every_row_count_in_powers_of_two():
 
 
 def test_swapped_tiles_are_picked_for_wide_outputs_at_129_to_192_rows():
-    from compare.bench_gemm import layer_shapes
-
-    n, k = layer_shapes("Qwen3-8B")["gate_up"]
+    n, k = _qwen3_8b_linear("gate_up")
     assert [gemm.pick_config(m, n, k) for m in (128, 129, 160, 192, 193)] == [
-        "pers_m128_n256", "wsx_n256_s4", "wsx_n256_s4", "wsx_n256_s4", "pers_m128_n128"]  # 193-320: session 46
+        "pers_m128_n256", "wsx_n256_s4", "wsx_n256_s4", "wsx_n256_s4", "pers_m128_n128"]  # 193-320 rows: as timed on an H100, 2026-11-27
 
 
 @pytest.mark.parametrize("config", SWAPPED_CONFIGS)

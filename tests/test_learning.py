@@ -153,7 +153,7 @@ def test_learning_curve_pipeline_end_to_end_on_cpu(tmp_path):
     on CPU: every stage runs, evals are logged before the first step and after each, the PNG is
     written, parity is exact. (Learning itself is shown on the GPU: docs/learning-curve.md.)"""
     out = tmp_path / "lc"
-    cmd = [sys.executable, "compare/learning_curve.py", "--out", str(out), "--shape", "tiny", "--sft-steps", "3",
+    cmd = [sys.executable, "-m", "compare.learning_curve", "--out", str(out), "--shape", "tiny", "--sft-steps", "3",
            "--sft-batch", "4", "--steps", "2", "--eval-every", "1", "--prompts-per-step", "2", "--group-size", "2",
            "--engine", "native", "--device", "cpu", "--min-gain", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)

@@ -17,7 +17,7 @@ CPU = ["--engine", "native", "--device", "cpu", "--model", "random:tiny", "--gro
 
 def _script(out: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(REPO / "compare" / "multi_gpu.py"), "--out", str(out), *CPU, *args],
+    return subprocess.run([sys.executable, "-m", "compare.multi_gpu", "--out", str(out), *CPU, *args], cwd=REPO,
                           capture_output=True, text=True, env=env, timeout=1200)
 
 
@@ -39,7 +39,7 @@ def test_big_passes_on_two_cpu_ranks(tmp_path):
 
 def test_a_non_empty_out_is_refused(tmp_path):
     (tmp_path / "x").write_text("")
-    proc = subprocess.run([sys.executable, str(REPO / "compare" / "multi_gpu.py"), "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "compare.multi_gpu", "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "is not empty" in proc.stderr
 

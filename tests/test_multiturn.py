@@ -383,7 +383,7 @@ def test_detector_cli_bad_rollouts_one_line_error(tiny_ckpt, tmp_path, content, 
     path = tmp_path / "r.jsonl"
     if content is not None:
         path.write_text(content)
-    proc = subprocess.run([sys.executable, "compare/retokenization.py", "--rollouts", str(path), "--model",
+    proc = subprocess.run([sys.executable, "-m", "compare.retokenization", "--rollouts", str(path), "--model",
                            str(tiny_ckpt), "--device", "cpu"], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and needle in proc.stderr

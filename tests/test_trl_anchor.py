@@ -24,7 +24,7 @@ def test_trl_grpo_anchor_runs(tiny_ckpt, tmp_path, lora):
                         "none", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch", "2",
                         "--max-new-tokens", "4", "--steps", "2", "--skip", "1", "--lora-rank", str(lora),
                         "--out", str(tmp_path / "trl")], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)})
     print(r.stdout[-2000:], r.stderr[-2000:])
     assert r.returncode == 0
     assert len(re.findall(r"^trl_grpo: step \d+ [\d.]+ s$", r.stdout, re.M)) == 2

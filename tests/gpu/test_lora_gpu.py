@@ -60,7 +60,7 @@ def test_lora_runs_repeat_bit_for_bit(lora_runs):
 
 def test_vllm_lora_request_loads_the_adapter(lora_runs):
     model, tmp, _, _ = lora_runs
-    proc = subprocess.run([sys.executable, "compare/lora_in_vllm.py", "--model", str(model), "--adapter",
+    proc = subprocess.run([sys.executable, "-m", "compare.lora_in_vllm", "--model", str(model), "--adapter",
                            str(tmp / "ckpt" / "a" / "step_000003"), "--json", str(tmp / "in_vllm.json")],
                           cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=900)
     print(proc.stdout[-3000:], proc.stderr[-3000:])

@@ -45,7 +45,7 @@ def test_swapping_one_op_for_plain_pytorch_is_caught(tiny_harness, op):
 
 
 def run_matrix(model_dir, out_json, *extra, env=None):
-    cmd = [sys.executable, str(ROOT / "compare" / "parity_matrix.py"), "--model", model_dir,
+    cmd = [sys.executable, "-m", "compare.parity_matrix", "--model", model_dir,
            "--json", str(out_json), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True,
                           text=True, timeout=900)
