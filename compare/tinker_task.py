@@ -65,14 +65,14 @@ class TaskGroup(EnvGroupBuilder):
 
 
 class TaskDataset(RLDataset):
-    """Batch i: prompts_per_step problems drawn as simple_rl.py draws step i + 1's (spirl.loops.rollout.PromptSource)."""
+    """Batch i: prompts_per_step problems drawn as simple_rl.py draws step i + 1's (spirl.loops.prompts.PromptSource)."""
 
     def __init__(self, task, batches: int, prompts_per_step: int, group_size: int, seed: int, stop):
         self.task, self.batches, self.n, self.g, self.seed, self.stop = task, batches, prompts_per_step, group_size, \
             seed, stop
 
     def get_batch(self, index: int):
-        from spirl.loops.rollout import DataCursor, PromptSource
+        from spirl.loops.prompts import DataCursor, PromptSource
 
         source = PromptSource(self.task, self.seed, DataCursor(index * self.n))  # a dataset's position at step i + 1
         source.begin(index + 1)

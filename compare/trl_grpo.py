@@ -29,8 +29,8 @@ from pathlib import Path
 
 
 def dataset_rows(task, steps: int, prompts_per_step: int, seed: int) -> list[dict]:
-    """The prompts simple_rl.py draws for steps 1..steps (spirl.loops.rollout.PromptSource), as TRL rows."""
-    from spirl.loops.rollout import DataCursor, PromptSource
+    """The prompts simple_rl.py draws for steps 1..steps (spirl.loops.prompts.PromptSource), as TRL rows."""
+    from spirl.loops.prompts import DataCursor, PromptSource
 
     rows, source = [], PromptSource(task, seed, DataCursor())
     for step in range(1, steps + 1):
