@@ -12,9 +12,10 @@ Canonical names (the forward order; both captures use them):
     logits
 
 Usage (on a GPU machine, vLLM running in-process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`,
-`enforce_eager=True` so that module hooks fire; one prompt)::
+no CUDA graph replay, `vllm_patches.eager_steps`, so that module hooks fire; one prompt)::
 
-    theirs = capture_vllm(vllm_model, lambda: llm.generate([prompt], SamplingParams(max_tokens=1)))
+    with eager_steps(llm):
+        theirs = capture_vllm(vllm_model, lambda: llm.generate([prompt], SamplingParams(max_tokens=1)))
     ours = capture_ours(model, p.tokens, p.positions, p.cu_seqlens)
     print(localize(ours, theirs).format())
 
@@ -36,7 +37,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from spirl.numerics.vllm_patches import qk_through_vllms_modules
+from spirl.numerics.vllm_patches import eager_steps, qk_through_vllms_modules
 
 LAYER_OPS = (
     "input_norm", "qkv_proj", "q_norm", "k_norm", "rotary_q", "rotary_k", "attn", "o_proj",
@@ -236,8 +237,8 @@ def capture_vllm(vllm_model: nn.Module, run_fn: Callable[[], object]) -> dict[st
     .driver_worker.worker.model_runner.model`, or via `llm.apply_model`). `run_fn` must make vLLM
     run exactly one prefill of exactly the tokens of interest, a single prompt (for instance
     `llm.generate([prompt], SamplingParams(max_tokens=1))`). If it runs more forwards, the first
-    one is kept and a warning says so. Hooks only fire in eager mode (no CUDA graphs).
-    Hooks are removed when this returns or raises.
+    one is kept and a warning says so. Hooks only fire in eager mode (no CUDA graph replay: run it
+    inside `vllm_patches.eager_steps`). Hooks are removed when this returns or raises.
     """
     store = _Store()
     layers = list(vllm_model.model.layers)
@@ -413,7 +414,8 @@ def localize(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> 
 def localize_sample(harness, ids: list[int]) -> str:
     """Prefill `ids` in vLLM's engine and in the trainer under hooks; the formatted report.
 
-    `harness` is a compare.harness.ParityHarness (in-process engine, eager mode)."""
+    `harness` is a compare.harness.ParityHarness (in-process engine), or anything with the same `engine` (a
+    spirl VLLMEngine) and `model`."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -423,7 +425,8 @@ def localize_sample(harness, ids: list[int]) -> str:
         harness.engine.llm.generate([TokensPrompt(prompt_token_ids=list(ids))],
                                     SamplingParams(max_tokens=1), use_tqdm=False)
 
-    theirs = capture_vllm(harness.engine.model, prefill)
+    with eager_steps(harness.engine.llm):  # CUDA graphs would replay the prefill without calling the hooks
+        theirs = capture_vllm(harness.engine.model, prefill)
     p = pack([ids], device="cuda")
     ours = capture_ours(harness.model, p.tokens, p.positions, p.cu_seqlens, p.max_seqlen)
     return localize(ours, theirs).format()

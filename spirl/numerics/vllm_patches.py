@@ -184,6 +184,25 @@ def qk_through_vllms_modules(layers):
                 a.__dict__["_spirl_qk_fusable"] = v
 
 
+@contextlib.contextmanager
+def eager_steps(llm):
+    """Within: vLLM's engine steps run eagerly, with no CUDA graph replay, so that forward hooks on its modules
+    fire (spirl.numerics.localize captures them; a replayed graph runs its kernels without calling a module).
+    The same kernels on the same inputs: the same bits either way (tests/gpu/test_parity.py). vLLM 0.26.0's V2
+    model runner replays a graph only while its graph manager says its graphs are captured
+    (`CudaGraphManager.dispatch`); that flag is cleared here and restored after."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    manager = getattr(runner, "cudagraph_manager", None)
+    captured = getattr(manager, "_graphs_captured", False)
+    if captured:
+        manager._graphs_captured = False
+    try:
+        yield
+    finally:
+        if captured:
+            manager._graphs_captured = True
+
+
 def _patch_qwen3_qk_norm_rope() -> None:
     from vllm.model_executor.models.qwen3 import Qwen3Attention
 
