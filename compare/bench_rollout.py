@@ -5,7 +5,7 @@
     python compare/bench_rollout.py --sweep --shape Qwen3-8B --results sweep.jsonl [--label before]
     python compare/bench_rollout.py --sweep --paired --shape Qwen3-8B --results sweep.jsonl  # engines side by side
     python compare/bench_rollout.py --sweep --plan --shape Qwen3-8B --results sweep.jsonl   # no GPU: what a call runs
-    python compare/bench_rollout.py --plot --results a.jsonl --results b.jsonl --png docs/rollout-sweep.png
+    python compare/bench_rollout.py --plot --results a.jsonl --results b.jsonl --png sweep.png
 
 Each engine runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import):
   ours        spirl.engines.vllm_engine.VLLMEngine as the trainer builds it (VLLM_BATCH_INVARIANT=1,
@@ -21,7 +21,7 @@ tokens' logprobs either way), one completion per prompt, prompts of random token
 every run (the same ones for every engine; plain vLLM's prefix cache never serves a prefill). Each case
 is run once untimed (its prefill shapes JIT-compiled), then timed --repeats times; the median is used
 and the spread column shows the run-to-run noise (at batch 1 the host's speed shows:
-docs/rollout-profile.md, third run). Prints generated tokens/s per case, the engine start time, and
+the rollout profile of 2026-11-25: git show 6396e11:docs/rollout-profile.md, third run). Prints generated tokens/s per case, the engine start time, and
 each engine's slowdown relative to `plain` (plain tokens/s / engine tokens/s).
 
 --sweep (issue 39) runs a grid of decode batch sizes x prompt lengths (compare/rollout_sweep.py):
@@ -33,7 +33,7 @@ the other; with --paired they are all built on the GPU at once (1/N of the memor
 runs alternate between them, the idle engines' processes stopped, so that a shared host's slow minutes fall
 on every engine alike (at Qwen3-1.7B one engine's decode step moved 3.5 -> 6.0 ms between two runs minutes
 apart). Measured at Qwen3-8B (H100, 2026-11-27), a paired engine's runs still spread more than one run alone
-(SPIRL's 1.2-7.3 % within a cell against 0.9-2.4 %): docs/rollout-profile.md. At the end, and with --plot,
+(SPIRL's 1.2-7.3 % within a cell against 0.9-2.4 %; `ServedEngine`). At the end, and with --plot,
 the report lists the worst cells and every cell above --goal, and --png draws the heatmap (matplotlib).
 """
 
@@ -428,7 +428,7 @@ class ServedEngine:
     Qwen3-8B, the same six 16-token-prompt cells, three runs each): the spread of SPIRL's engine's runs within a cell
     was 0.7-15.7 % (mean 10.5) with the other engine's process left running and 1.2-7.3 % (mean 3.9) with it stopped;
     plain vLLM's 3.7-20.9 % (9.5) and 3.1-13.5 % (7.7); one engine after the other (no --paired; five such cells)
-    0.9-2.4 % and 4.3-10.8 % (docs/rollout-profile.md)."""
+    0.9-2.4 % and 4.3-10.8 %."""
 
     def __init__(self, name: str, cmd: list[str], env: dict):
         self.name = name
@@ -764,7 +764,7 @@ def parse_args(argv):
                    help="also time each cell's prefill alone (one new token), for the decode-step ratio")
     g.add_argument("--retry-failed", action="store_true",
                    help="run cells again that crashed an engine or did not fit its KV cache before")
-    g.add_argument("--png", help="write the heatmap here (needs matplotlib), e.g. docs/rollout-sweep.png")
+    g.add_argument("--png", help="write the heatmap here (needs matplotlib), e.g. sweep.png")
     g.add_argument("--worst", type=int, default=10, help="cells listed per shape besides every miss")
     g.add_argument("--goal", type=float, default=sw.GOAL, help="a cell above this time ratio is a miss")
     g.add_argument("--paired", action="store_true",

@@ -172,7 +172,8 @@ class ModelSize:
 
 @dataclass(frozen=True)
 class Rates:
-    """One H100 80GB's rates behind the estimate, read off docs/rollout-profile.md and docs/cold-start.md
+    """One H100 80GB's rates behind the estimate, read off the rollout profiles (`git show
+    6396e11:docs/rollout-profile.md`; "first" to "fifth run" below are its sections) and docs/cold-start.md
     (2026-11-25/26) and rounded to the slow side: the estimate is for fitting a grid into --budget-s, never
     a measurement. Checked against the fifth run's rollouts (x 512 x 256): decode steps at 1.7B b1/b64/b256
     estimate 2.8/5.1/11.8 ms, against 2.8/4.7/10.3 ms derived from the measured tok/s less the prefill (the
@@ -198,7 +199,7 @@ class Rates:
     engine_start_s: float = 60.0
     """An engine's start with empty kernel caches, before its weights: imports, profile run, 51 graph
     captures and Triton JIT (docs/cold-start.md: 47.6-53.2 s cold at 1.7B; plain's torch.compile: 66 s
-    at 1.7B, 82 s at 8B, rollout-profile second and third runs)."""
+    at 1.7B, 82 s at 8B, the profiles' second and third runs)."""
     engine_start_s_per_weight_gb: float = 2.0
     """Start time per GB of bf16 weights (loading, and torch.compile's longer graphs at 8B)."""
     checkpoint_s_per_gb: float = 3.0

@@ -27,7 +27,7 @@ cache included (2.4x cold without it at Qwen3-1.7B full fine-tuning). But each o
 ~0.3 s of kernel launches even with every kernel cached (LoRA at 1.7B: 8.4 s of 9.2 s), so it adds 9-17 s to a
 warm start and 26-33 s to a cold one, more than the 6-10 s of compiles it takes out of a cold step 1. Hence off
 by default. The cheaper design, compiling the same keys with Triton's compile-only `JITFunction.warmup` (no
-GPU passes), is in docs/rollout-profile.md.
+GPU passes), is in docs/cold-start.md.
 """
 
 from __future__ import annotations

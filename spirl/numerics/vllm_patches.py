@@ -7,8 +7,7 @@ Patch 1 - residual add + RMSNorm (vLLM 0.26.0, `VLLM_BATCH_INVARIANT=1`):
     size (and so its float32 reduction order) depends on how many tokens the whole engine step
     holds (< 256 or not). The same sequence then gets logits 1 bf16 ulp apart depending on what
     else is batched with it, and decode-time logprobs differ from prefill-time ones (measured: 25
-    to 113 of 512 sampled tokens; docs/vllm-0.26-forward-path.md section 3 and
-    ../shared/notes/vllm-0.26-on-h100.md).
+    to 113 of 512 sampled tokens; docs/vllm-0.26-forward-path.md section 3).
     What: `residual = bf16(x + residual)` (the exact value the fused op writes), then the Triton
     batch-invariant RMSNorm of the new residual, as one kernel (`kernels.add_rms_norm`: the same
     add, rounding and reduction, bitwise the two-kernel path; one launch and one pass fewer per
@@ -38,7 +37,7 @@ Patch 3 - Qwen3's q/k RMSNorm + rotary in the engine (vLLM 0.26.0, `VLLM_BATCH_I
     Why: `Qwen3Attention.forward` normalizes q and k per head (`q_norm`/`k_norm`: a contiguous copy of
     each strided slice of the qkv output, then the Triton `_rms_norm_kernel`) and rotates them in place
     (`rotary_embedding`): six kernels per layer. Profiled at Qwen3-8B, 128 prompts x 2048 tokens
-    (H100), they took 7.5 % of the prefill's GPU time (docs/rollout-profile.md). The trainer already
+    (H100), they took 7.5 % of the prefill's GPU time (docs/rollout-engine.md). The trainer already
     runs them as one pass, `kernels.qk_norm_rope`, proven bitwise equal to these modules on strided
     qkv slices (tests/gpu/test_ops_vs_vllm.py).
     What: `Qwen3Attention.forward` computes q and k with `kernels.qk_norm_rope` when the layer's modules
