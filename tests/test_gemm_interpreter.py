@@ -8,6 +8,8 @@ wrong elements, which on the GPU would show up only as a failed parity run.
 
 from __future__ import annotations
 
+import pytest
+
 from kernels.gemm import CONFIGS, pick_config
 
 _INTERPRETED = r"""
@@ -106,6 +108,7 @@ print(bad or ("ok" if cut >= 20 else f"only {cut} of {launches} launches cut a t
 """
 
 
+@pytest.mark.slow
 def test_stream_k_carries_each_tile_s_accumulator_exactly_and_leaves_the_flags_zero(triton_interpreter):
     """Every element of the stream-K kernel equals the one-program K loop's (the carried fp32 accumulator
     is the register one), no element is left unwritten (NaN-filled outputs), and each launch leaves its

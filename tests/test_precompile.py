@@ -98,7 +98,7 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [pytest.param(False, marks=pytest.mark.slow), True], ids=["full", "lora"])
 def test_precompile_changes_no_bits(tiny_ckpt, tmp_path, monkeypatch, lora):
     """Two runs, one with the trainer's warm-up before step 1 (forced on, on the CPU): the same checkpoint bytes
     and the same metrics, but for what the warm-up itself reports."""
