@@ -154,7 +154,7 @@ def _bi_matmul_persistent_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N,
     None). A decode step of 129-144 rows then computes 144 rows once per weight tile instead of 256 (two
     128-row tiles, or one of 256): at Qwen3-8B's wide outputs (gate_up, lm_head) those steps are
     compute-bound, so the padded rows are the cost (cuBLAS runs 192 x 104 tiles there,
-    docs/rollout-profile.md). Each weight chunk is loaded once and feeds two `tl.dot`s: the first BLOCK_M
+    6396e11:docs/rollout-profile.md). Each weight chunk is loaded once and feeds two `tl.dot`s: the first BLOCK_M
     rows as above, the last BLOCK_M2 rows with the operands swapped (W X^T, as `_bi_matmul_swap_kernel`),
     so the tensor-core instruction's row side is the weight tile, not a handful of activation rows.
 
@@ -346,7 +346,7 @@ CONFIGS = {
     # outputs wider than 8192. Also measured (2026-11-26/27): 160, 192, 272 and 320 rows (128/256 + 32/64/16/64),
     # 16-64 wide tiles of 144-192 rows for the narrow layers, 256 wide tiles of 160/192 rows with 2 stages, and
     # one-part 256 x 16/32 tiles: all bitwise vLLM's, none faster than the picks where it would be picked
-    # (docs/rollout-profile.md), so they are not kept.
+    # (6396e11:docs/rollout-profile.md), so they are not kept.
     "p2_m144_n128": (144, 128, 8, 8, 4),
     "p2_m144_n256": (144, 256, 8, 8, 3),
     # Stream-K with a sequential carry (`_bi_matmul_streamk_kernel`, issue 39): the SMs shared out
@@ -390,7 +390,7 @@ def pick_config(m: int, n: int, k: int) -> str:
     speed only, from `6396e11:compare/bench_gemm.py` on H100s at the Qwen3-1.7B, 4B and 8B linear shapes (from
     2026-11-27 with `--graph`: CUDA-graph replays with the weights from HBM, as decode runs them; do_bench's Python
     launches cost 70-90 us of host time per TMA-descriptor launch there). Each rule's measurements, and the tiles that
-    lost, are in docs/rollout-profile.md (issues 28 and 39, one dated section each); _H100_SMS is the wave size.
+    lost, are in 6396e11:docs/rollout-profile.md (issues 28 and 39, one dated section each); _H100_SMS is the wave size.
 
     * At most 16 rows and outputs wider than 4096: the swapped-operand kernel (the few activation rows are the MMA's
       narrow side), 32 weight rows per program up to 16,384 wide, else 16 with 16 stages (lm_head: 8B 416-423 us
@@ -486,14 +486,14 @@ def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
     at up to 128 rows none where K < 8192 and the pointer kernel's 64x64 tiles make one wave. Outputs wider than
     8192 meet them only where 64x256 tiles make one wave (Qwen3-32B qkv, 10,240 wide, at up to 192 rows).
 
-    Measured (H100, `6396e11:compare/bench_gemm.py --graph`, all bitwise vLLM's; docs/rollout-profile.md, 2026-11-27):
-    the pointer kernel moved the same bytes as cuBLAS with 4x its instructions (ncu, 8B o at 160 rows), which a TMA
-    loader warp removes (kernels/gemm_ws.py); with the last row tile loading only its own rows ("Row tails" there),
-    per 8B layer at 136 rows qkv + o + down 89.0 us against 101.7 with the full-box picks and cuBLAS's 84.1 (down
-    44.9 against 46.5); at 1.7B within 4 % of the best of the four tiles at 128-512 rows except qkv at 264-272 rows,
-    where the K bound keeps the persistent kernel (15.9-16.4 us against 64x256's 15.2-15.5). Kept elsewhere: the
-    pointer kernel's one-wave tiles at up to 128 rows and K < 8192 (1.7B o/down at 128 rows 7.9/18.3 us against
-    9.2/19.4; 8B down at 128 rows, K = 12,288, went to 64x128 warp-specialized tiles: 43.9 against 48.2); the
+    Measured (H100, 2026-11-27, `6396e11:compare/bench_gemm.py --graph`, all bitwise vLLM's; the rollout profile:
+    `6396e11:docs/rollout-profile.md`): the pointer kernel moved the same bytes as cuBLAS with 4x its instructions (ncu,
+    8B o at 160 rows), which a TMA loader warp removes (kernels/gemm_ws.py); with the last row tile loading only its own
+    rows ("Row tails" there), per 8B layer at 136 rows qkv + o + down 89.0 us against 101.7 with the full-box picks and
+    cuBLAS's 84.1 (down 44.9 against 46.5); at 1.7B within 4 % of the best of the four tiles at 128-512 rows except qkv
+    at 264-272 rows, where the K bound keeps the persistent kernel (15.9-16.4 us against 64x256's 15.2-15.5). Kept
+    elsewhere: the pointer kernel's one-wave tiles at up to 128 rows and K < 8192 (1.7B o/down at 128 rows 7.9/18.3 us
+    against 9.2/19.4; 8B down at 128 rows, K = 12,288, went to 64x128 warp-specialized tiles: 43.9 against 48.2); the
     persistent kernel at K = 2048 beyond one wave (6-15 % faster than 64x256 tiles at 1.7B qkv 320-512 rows)."""
     if m <= 128 and k < 8192 and cdiv(m, 64) * cdiv(n, 64) <= _H100_SMS:
         return None  # the pointer kernel's one wave of 64x32 or 64x64 tiles (below) is kept

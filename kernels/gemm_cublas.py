@@ -10,7 +10,7 @@ what vLLM's Triton kernel computes (kernels/gemm.py's module doc), whatever tile
 to vLLM's `linear_batch_invariant` in 11,520 of 11,520 (layer, rows) cases at each of Qwen3-1.7B and Qwen3-8B (every
 linear; rows 1-2,048 and every 24th to 8,176). Why it should: at 65-512 rows, a decode step's sizes, cuBLAS was
 up to 1.7x faster than the best Triton tile (`--graph`: 8B gate_up at 272 rows 87 us against 130, 1.7B gate_up
-at 272 rows 25 against 43; docs/rollout-profile.md, issue 39, 2026-11-28).
+at 272 rows 25 against 43; 6396e11:docs/rollout-profile.md, issue 39, 2026-11-28).
 
 Why it is checked, not assumed: which algorithm cuBLAS runs is its heuristic's choice for each problem (sizes,
 strides, alignment, workspace, GPU, library version), none of which SPIRL pins, and a split-K or two-level
@@ -137,7 +137,7 @@ own spin kernel for this, private but long-standing; its tests use it the same w
 TIMING_CALLS = 5
 TIMING_ROUNDS = 3
 """A timed product runs TIMING_CALLS calls of each kernel per round, the two alternating, for TIMING_ROUNDS rounds;
-each kernel's best round counts. Measured on an H200 (2026-11-28, docs/rollout-profile.md): 18.8 ms a row count
+each kernel's best round counts. Measured on an H200 (2026-11-28, 6396e11:docs/rollout-profile.md): 18.8 ms a row count
 at Qwen3-1.7B's lm_head and 22.4 ms at 8B's (0.6 / 0.9 ms for the bit check alone), once per process: 1.2 / 1.4 s
 for a run that meets every row count 1-64."""
 

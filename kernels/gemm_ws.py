@@ -2,7 +2,7 @@
 
     x [M, K] bf16, w [N, K] bf16 (a Linear weight), y [M, N] bf16; M a decode step's rows (65-512).
 
-Why it exists (issue 39, 2026-11-27; docs/rollout-profile.md): at Qwen3-8B's o projection with 160 rows,
+Why it exists (issue 39, 2026-11-27; 6396e11:docs/rollout-profile.md): at Qwen3-8B's o projection with 160 rows,
 `_bi_matmul_kernel`'s 128 x 64 tiles and cuBLAS's 64 x 80 tiles move the same 151 MB from L2 to the SMs
 (ncu, H100), yet cuBLAS took 17.3 us and the pointer kernel 24.0. The pointer kernel's 128 threads issue
 every 16-byte cp.async copy themselves, then wait for them and meet at a CTA barrier before each wgmma
