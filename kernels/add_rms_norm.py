@@ -19,7 +19,7 @@ and the weight are read once, in one round of loads: a decode row's norm is laun
 Why the bits are the looped form's: compiled for sm_90 by Triton 3.6, the tile's axis-1 reduction
 takes each block in the 1-D block's layout (8 contiguous elements a thread, 32 lanes, 4 warps) and
 the PTX has the same per-thread fma chain in the same element order, the same butterfly shuffles and
-the same cross-warp step; the block sums are added in block order. Measured on an H200 (session 56,
+the same cross-warp step; the block sums are added in block order. Measured on an H200 (2026-11-28,
 CUDA-graph replays, us a call, two-pass unrolled -> one pass): 2,048 wide 2.06 -> 1.56 (1 row),
 4,096 3.36 -> 1.90, 5,120 3.89 -> 2.26; at 1,024 wide (Qwen3-0.6B) 1.33 -> 1.42 at 1 row, and
 from 2,048 rows 1 % slower to 10 % faster. Residual and output `torch.equal` to the two-pass

@@ -154,7 +154,7 @@ def _bi_matmul_persistent_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N,
     None). A decode step of 129-144 rows then computes 144 rows once per weight tile instead of 256 (two
     128-row tiles, or one of 256): at Qwen3-8B's wide outputs (gate_up, lm_head) those steps are
     compute-bound, so the padded rows are the cost (cuBLAS runs 192 x 104 tiles there,
-    docs/rollout-profile.md). Each weight chunk is loaded once and feeds two `tl.dot`s: the first BLOCK_M
+    6396e11:docs/rollout-profile.md). Each weight chunk is loaded once and feeds two `tl.dot`s: the first BLOCK_M
     rows as above, the last BLOCK_M2 rows with the operands swapped (W X^T, as `_bi_matmul_swap_kernel`),
     so the tensor-core instruction's row side is the weight tile, not a handful of activation rows.
 
@@ -343,13 +343,13 @@ CONFIGS = {
     "pers_m64_n64": (64, 64, 8, 4, 5),
     # Row tiles of two parts (`_bi_matmul_persistent_kernel` with BLOCK_M2 > 0, issue 39): BLOCK_M is the tile's
     # rows, split into the largest power of two below it and the rest (144 = 128 + 16). Picked at 129-144 rows for
-    # outputs wider than 8192. Sessions 40-41 also measured 160, 192, 272 and 320 rows (128/256 + 32/64/16/64),
+    # outputs wider than 8192. Also measured (2026-11-26/27): 160, 192, 272 and 320 rows (128/256 + 32/64/16/64),
     # 16-64 wide tiles of 144-192 rows for the narrow layers, 256 wide tiles of 160/192 rows with 2 stages, and
     # one-part 256 x 16/32 tiles: all bitwise vLLM's, none faster than the picks where it would be picked
-    # (docs/rollout-profile.md, sessions 40 and 41), so they are not kept.
+    # (6396e11:docs/rollout-profile.md), so they are not kept.
     "p2_m144_n128": (144, 128, 8, 8, 4),
     "p2_m144_n256": (144, 256, 8, 8, 3),
-    # Stream-K with a sequential carry (`_bi_matmul_streamk_kernel`, issue 39, session 42): the SMs shared out
+    # Stream-K with a sequential carry (`_bi_matmul_streamk_kernel`, issue 39): the SMs shared out
     # among the row tiles, each the same number of K chunks, for tile counts that leave a last wave part-empty.
     # GROUP_M is unused (the kernel walks every row tile's columns in step).
     "sk_m64_n32": (64, 32, 1, 4, 6),
@@ -358,11 +358,11 @@ CONFIGS = {
     "sk_m128_n64": (128, 64, 1, 4, 4),
     "sk_m128_n128": (128, 128, 1, 8, 4),
     "sk_m128_n256": (128, 256, 1, 8, 3),
-    # One wave of 64-row tiles with deep pipelines (issue 39, session 43): where the tiles fit one program per SM,
+    # One wave of 64-row tiles with deep pipelines (issue 39): where the tiles fit one program per SM,
     # 7-8 stages keep as many bytes in flight per SM as two programs of 5 stages (`pick_config`).
     "dec_m64_n64_s8": (64, 64, 1, 4, 8),
     "dec_m64_n128_s7": (64, 128, 1, 4, 7),
-    # Warp-specialized TMA tiles (kernels/gemm_ws.py, issue 39, session 44): a loader warp keeps `num_stages` K
+    # Warp-specialized TMA tiles (kernels/gemm_ws.py, issue 39): a loader warp keeps `num_stages` K
     # chunks in flight while the MMA warps (num_warps) wait on mbarriers only. Off Hopper, or for tensors TMA cannot
     # address, the pointer kernel runs the same tile with rows past M masked (the same bits).
     "ws_m64_n64_s6": (64, 64, 8, 4, 6),
@@ -373,7 +373,7 @@ CONFIGS = {
     "ws_m128_n128_s6": (128, 128, 8, 4, 6),
     "ws_m64_n256_s5": (64, 256, 8, 4, 5),
     "ws_m128_n256_s4": (128, 256, 8, 8, 4),
-    # Swapped operands, warp-specialized (kernels/gemm_ws.py `_bi_matmul_ws_swapped_kernel`, session 44): one program
+    # Swapped operands, warp-specialized (kernels/gemm_ws.py `_bi_matmul_ws_swapped_kernel`): one program
     # per BLOCK_N weight rows covering up to BLOCK_M = 192 rows of x (128 + 8/16/32/64), each weight byte read once.
     # Off Hopper the pointer kernel runs 64 x min(BLOCK_N, 128) tiles instead (the same bits).
     "wsx_n128_s5": (192, 128, 1, 8, 5),
@@ -390,7 +390,7 @@ def pick_config(m: int, n: int, k: int) -> str:
     speed only, from `6396e11:compare/bench_gemm.py` on H100s at the Qwen3-1.7B, 4B and 8B linear shapes (from
     2026-11-27 with `--graph`: CUDA-graph replays with the weights from HBM, as decode runs them; do_bench's Python
     launches cost 70-90 us of host time per TMA-descriptor launch there). Each rule's measurements, and the tiles that
-    lost, are in docs/rollout-profile.md (issues 28 and 39, one section per session); _H100_SMS is the wave size.
+    lost, are in 6396e11:docs/rollout-profile.md (issues 28 and 39, one dated section each); _H100_SMS is the wave size.
 
     * At most 16 rows and outputs wider than 4096: the swapped-operand kernel (the few activation rows are the MMA's
       narrow side), 32 weight rows per program up to 16,384 wide, else 16 with 16 stages (lm_head: 8B 416-423 us
@@ -486,14 +486,14 @@ def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
     at up to 128 rows none where K < 8192 and the pointer kernel's 64x64 tiles make one wave. Outputs wider than
     8192 meet them only where 64x256 tiles make one wave (Qwen3-32B qkv, 10,240 wide, at up to 192 rows).
 
-    Measured (H100, `6396e11:compare/bench_gemm.py --graph`, all bitwise vLLM's; docs/rollout-profile.md, 2026-11-27):
-    the pointer kernel moved the same bytes as cuBLAS with 4x its instructions (ncu, 8B o at 160 rows), which a TMA
-    loader warp removes (kernels/gemm_ws.py); with the last row tile loading only its own rows ("Row tails" there),
-    per 8B layer at 136 rows qkv + o + down 89.0 us against 101.7 with session 44's picks and cuBLAS's 84.1 (down
-    44.9 against 46.5); at 1.7B within 4 % of the best of the four tiles at 128-512 rows except qkv at 264-272 rows,
-    where the K bound keeps the persistent kernel (15.9-16.4 us against 64x256's 15.2-15.5). Kept elsewhere: the
-    pointer kernel's one-wave tiles at up to 128 rows and K < 8192 (1.7B o/down at 128 rows 7.9/18.3 us against
-    9.2/19.4; 8B down at 128 rows, K = 12,288, went to 64x128 warp-specialized tiles: 43.9 against 48.2); the
+    Measured (H100, 2026-11-27, `6396e11:compare/bench_gemm.py --graph`, all bitwise vLLM's; the rollout profile:
+    `6396e11:docs/rollout-profile.md`): the pointer kernel moved the same bytes as cuBLAS with 4x its instructions (ncu,
+    8B o at 160 rows), which a TMA loader warp removes (kernels/gemm_ws.py); with the last row tile loading only its own
+    rows ("Row tails" there), per 8B layer at 136 rows qkv + o + down 89.0 us against 101.7 with the full-box picks and
+    cuBLAS's 84.1 (down 44.9 against 46.5); at 1.7B within 4 % of the best of the four tiles at 128-512 rows except qkv
+    at 264-272 rows, where the K bound keeps the persistent kernel (15.9-16.4 us against 64x256's 15.2-15.5). Kept
+    elsewhere: the pointer kernel's one-wave tiles at up to 128 rows and K < 8192 (1.7B o/down at 128 rows 7.9/18.3 us
+    against 9.2/19.4; 8B down at 128 rows, K = 12,288, went to 64x128 warp-specialized tiles: 43.9 against 48.2); the
     persistent kernel at K = 2048 beyond one wave (6-15 % faster than 64x256 tiles at 1.7B qkv 320-512 rows)."""
     if m <= 128 and k < 8192 and cdiv(m, 64) * cdiv(n, 64) <= _H100_SMS:
         return None  # the pointer kernel's one wave of 64x32 or 64x64 tiles (below) is kept
@@ -521,7 +521,7 @@ def persistent_tail(m: int, block_m: int, block_n: int) -> int:
     variant gives up Triton's pipelining across tiles (`flatten`), and that cost more than the tail saved at a
     prefill's 2,064 rows (8B gate_up 608 -> 661 us) and at 160 rows in 128 x 256 tiles (8B lm_head 516 -> 549),
     while at 257 rows it saved 8B lm_head 795 -> 671 us and 128 x 128 tiles gained at every row count of 129-320
-    (8B gate_up 272 rows 194 -> 131; H100, CUDA-graph replays, session 46)."""
+    (8B gate_up 272 rows 194 -> 131; H100, CUDA-graph replays, 2026-11-27)."""
     rest = m % block_m
     tail = max(16, next_power_of_2(rest)) if rest else 0
     longest = 16 if block_n > 128 else 64

@@ -10,7 +10,7 @@ what vLLM's Triton kernel computes (kernels/gemm.py's module doc), whatever tile
 to vLLM's `linear_batch_invariant` in 11,520 of 11,520 (layer, rows) cases at each of Qwen3-1.7B and Qwen3-8B (every
 linear; rows 1-2,048 and every 24th to 8,176). Why it should: at 65-512 rows, a decode step's sizes, cuBLAS was
 up to 1.7x faster than the best Triton tile (`--graph`: 8B gate_up at 272 rows 87 us against 130, 1.7B gate_up
-at 272 rows 25 against 43; docs/rollout-profile.md, issue 39, session 49).
+at 272 rows 25 against 43; 6396e11:docs/rollout-profile.md, issue 39, 2026-11-28).
 
 Why it is checked, not assumed: which algorithm cuBLAS runs is its heuristic's choice for each problem (sizes,
 strides, alignment, workspace, GPU, library version), none of which SPIRL pins, and a split-K or two-level
@@ -75,7 +75,7 @@ MAX_ROWS = 2048
 """Most rows a product may have to go to cuBLAS: the engine's largest CUDA-graph step (spirl.engines.vllm_engine.
 GRAPH_MAX_TOKENS). Above it (eager prefills, vLLM's 16,384-token profile run) the Triton kernel took 0.95-1.14x
 cuBLAS's time (1.7B and 8B, every linear, at 2,048, 4,096 and 8,192 rows), and a check there would hold two outputs
-of up to 16,384 rows at once during vLLM's memory profile: session 49 measured the engine's KV cache 0.65 GiB
+of up to 16,384 rows at once during vLLM's memory profile: the engine's KV cache measured 0.65 GiB
 smaller (4,416-4,560 of 8B's tokens) with checks at every size."""
 
 
@@ -99,9 +99,9 @@ def timed(m: int, n: int, k: int) -> bool:
     """Products where the faster of cuBLAS and `kernels.gemm` is measured on the GPU at hand, at the check: lm_head
     at 1-64 rows. There the GPUs disagree (`6396e11:compare/bench_gemm.py --layers lm_head --graph --cublas-as-vllm`):
     on an H100 the swapped-operand Triton kernel was 2-7 % faster than cuBLAS (2026-11-28: 8B 407-445 us against
-    436-454, 1.7B 205-229 against 219-234), on an H200 0-17 % slower (session 54: 1.7B at 1 / 2 / 8 rows 157.8 /
+    436-454, 1.7B 205-229 against 219-234), on an H200 0-17 % slower (2026-11-28: 1.7B at 1 / 2 / 8 rows 157.8 /
     167.7 / 169.2 us against 144.4 / 145.9 / 146.8; 8B at 32 / 64 rows 324.5 / 349.1 against 295.2 / 298.8). Timed this way
-    at every row count 1-64 on an H200 (session 55, tests/gpu/test_gemm_cublas_gpu.py): cuBLAS faster at all 64 at 1.7B
+    at every row count 1-64 on an H200 (2026-11-28, tests/gpu/test_gemm_cublas_gpu.py): cuBLAS faster at all 64 at 1.7B
     (149-160 us against 160-183), at 2-64 at 8B (296-311 against 306-349), kernels.gemm at 8B's 1 row (291 against
     296); the engine then picks per row count on whichever GPU it runs."""
     return n > VOCAB_WIDE and m <= TIMED_ROWS  # never kept on Triton (keep_triton: above 512 rows)
@@ -137,7 +137,7 @@ own spin kernel for this, private but long-standing; its tests use it the same w
 TIMING_CALLS = 5
 TIMING_ROUNDS = 3
 """A timed product runs TIMING_CALLS calls of each kernel per round, the two alternating, for TIMING_ROUNDS rounds;
-each kernel's best round counts. Measured on an H200 (session 56, docs/rollout-profile.md): 18.8 ms a row count
+each kernel's best round counts. Measured on an H200 (2026-11-28, 6396e11:docs/rollout-profile.md): 18.8 ms a row count
 at Qwen3-1.7B's lm_head and 22.4 ms at 8B's (0.6 / 0.9 ms for the bit check alone), once per process: 1.2 / 1.4 s
 for a run that meets every row count 1-64."""
 

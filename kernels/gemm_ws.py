@@ -2,7 +2,7 @@
 
     x [M, K] bf16, w [N, K] bf16 (a Linear weight), y [M, N] bf16; M a decode step's rows (65-512).
 
-Why it exists (issue 39, session 44; docs/rollout-profile.md): at Qwen3-8B's o projection with 160 rows,
+Why it exists (issue 39, 2026-11-27; 6396e11:docs/rollout-profile.md): at Qwen3-8B's o projection with 160 rows,
 `_bi_matmul_kernel`'s 128 x 64 tiles and cuBLAS's 64 x 80 tiles move the same 151 MB from L2 to the SMs
 (ncu, H100), yet cuBLAS took 17.3 us and the pointer kernel 24.0. The pointer kernel's 128 threads issue
 every 16-byte cp.async copy themselves, then wait for them and meet at a CTA barrier before each wgmma
@@ -22,7 +22,7 @@ Partitions (`gl.warp_specialize`):
 
 Row tails. A decode step of 136 rows in 64-row tiles leaves a last tile of 8 rows; a TMA box of 64 rows there
 reads 56 rows past the end of x, which the TMA unit fills with zeros, and such boxes are slow: with the same
-programs and the same weight bytes, a tile's cost grew with its out-of-bounds rows (session 45, H100, 8B down,
+programs and the same weight bytes, a tile's cost grew with its out-of-bounds rows (2026-11-27, H100, 8B down,
 128 x 64 tiles: 52.4 us at 256 rows, 96.9 at 136; 1.7B down, three row tiles: 21.6 at 384 rows, 39.3 at 272).
 So the last row tile loads only the rows it has, in one or two power-of-two boxes (`row_pieces`: 8 rows as 8,
 72 as 64 + 8), into the first rows of its slot; the slot's other rows keep stale values from earlier chunks. An

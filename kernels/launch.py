@@ -2,7 +2,7 @@
 
 `kernel[grid](*args, **constexprs)` binds and specializes every argument, checks its options, builds a cache key
 and looks the compiled kernel up on each call: 42-55 us of host time per GEMM launch on an H100 host (Triton 3.6,
-session 47, docs/rollout-profile.md), where cuBLAS's whole `F.linear` took 26-37 us.
+2026-11-27, 6396e11:docs/rollout-profile.md), where cuBLAS's whole `F.linear` took 26-37 us.
 That time counts where launches are not replayed from a CUDA graph: vLLM's lm_head (once per decode step, outside
 the step's graph) and every kernel of a prefill above the largest captured graph, where the host's time per step
 exceeds the GPU's.

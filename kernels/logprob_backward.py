@@ -20,7 +20,7 @@ deterministic.
 scalar load per program, nothing to vectorize): the trainer passes slices of them per chunk of rows
 (batch_invariant_backward._row_chunks, 1,766 rows at Qwen3's vocabulary), and a chunk starting at a
 row that is not a multiple of 4 would otherwise build a second variant of the kernel in the middle
-of step 1 (seen on an H100, session 39, after `--precompile 1` had built the first).
+of step 1 (seen on an H100 on 2026-11-26, after `--precompile 1` had built the first).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def _row_block(block_idx, input_ptr, weight_ptr, pos_ptr, cache_ptr, output_ptr,
                n_heads, n_cols, eps, cache_stride, ROWS: tl.constexpr, HALF: tl.constexpr):
     """`_one_row` over ROWS (token, head) rows at once, for long prefills and the trainer, where one
     128-element row per program leaves most of the bandwidth unused (the 8B prefill profile: 423 ms
-    of 8,072; docs/rollout-profile.md, fourth run).
+    of 8,072; 6396e11:docs/rollout-profile.md, fourth run).
 
     Same bits, because the sum of squares reduces each row with the same tree as vLLM's kernel.
     On sm_90 (PTX compared, Triton 3.6) vLLM's 1024-wide block gives each of its 4 warps' threads 8

@@ -1,6 +1,7 @@
 """Shared pytest fixtures: random Qwen3 checkpoints written once per test session, a scratch
 directory per test module that is removed when the module is done, and Triton's interpreter in a
-fresh process."""
+fresh process. Tests marked `slow` are left out of the default run (pyproject's addopts); the
+closing summary says how many were, and how to run them."""
 
 import os
 import shutil
@@ -14,6 +15,17 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # top-level modules (weights.py, ...) live in the repo root
     sys.path.insert(0, str(REPO_ROOT))
+
+_slow_left_out: list[str] = []
+
+
+def pytest_deselected(items):
+    _slow_left_out.extend(item.nodeid for item in items if item.get_closest_marker("slow"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if n := len(_slow_left_out):
+        terminalreporter.write_line(f"{n} slow test{'s' * (n > 1)} not run: `python -m pytest -m slow` runs them")
 
 
 @pytest.fixture(scope="session")

@@ -437,6 +437,7 @@ def _fake_vllm_site(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", f"{fake.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
 
+@pytest.mark.slow
 def test_a_paired_sweep_runs_worker_processes_side_by_side(monkeypatch, tmp_path, model_dir, capsys):
     """Two real worker processes in the serve loop (both FAKE_VLLM's `plain` worker; the parent names one `ours`),
     each given half of the memory share; every cell measured by both, interleaved; a cell too big for the KV

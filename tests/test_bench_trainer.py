@@ -42,6 +42,7 @@ def run_bench(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_cpu_run_prints_table_passes_check_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     r = run_bench("--shape", "tiny", "--shapes", "2x64,mixed4", "--dtype", "float32", "--json", str(out))
@@ -65,6 +66,7 @@ def test_cpu_run_prints_table_passes_check_and_writes_json(tmp_path):
             assert shape[p]["ours"]["tok_s"] == pytest.approx(shape["tokens"] / shape[p]["ours"]["s"])
 
 
+@pytest.mark.slow
 def test_packed_block_causal_layout_agrees_and_a_failing_pass_is_reported(small_vocab_ckpt):
     """torchtitan packed [1, T] with block_causal documents (flex: the layout varlen uses on a GPU),
     positions restarting per sequence. Flex has no CPU backward: torch may report that pass as an

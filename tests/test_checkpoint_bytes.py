@@ -76,7 +76,7 @@ def _argv(cfg: TrainConfig) -> list[str]:
             for a in (f"--{f.name.replace('_', '-')}", str(getattr(cfg, f.name)))]
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("lora", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["lora", "full"])
 def test_resumed_checkpoint_is_byte_identical(tiny_ckpt, tmp_path, lora):
     from spirl.loops.run import train
 

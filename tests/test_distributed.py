@@ -117,6 +117,7 @@ def _deterministic(m: dict) -> dict:
     return {k: v for k, v in m.items() if not k.startswith(("time/", "memory/"))}
 
 
+@pytest.mark.slow
 def test_two_ranks_sample_what_one_process_samples(runs):
     s, a = _metrics(runs["S"]), _metrics(runs["A"])
     for step in (1, 2):
@@ -128,6 +129,7 @@ def test_two_ranks_sample_what_one_process_samples(runs):
             assert a[step][k] == pytest.approx(s[step][k], rel=1e-6, abs=1e-9), (step, k)
 
 
+@pytest.mark.slow
 def test_two_ranks_gradient_and_update_match_one_process(runs):
     opt_s, opt_a = _checkpoint(runs, "S", 1, "optimizer"), _checkpoint(runs, "A", 1, "optimizer")
     assert opt_s.keys() == opt_a.keys()
@@ -146,6 +148,7 @@ def test_two_ranks_gradient_and_update_match_one_process(runs):
     assert far <= 1e-5 * total, f"{far} of {total} weights differ by more than 1e-3 x lr"
 
 
+@pytest.mark.slow
 def test_two_rank_runs_repeat_bit_for_bit(runs):
     a, a2 = _metrics(runs["A"]), _metrics(runs["A2"])
     assert [_deterministic(a[s]) for s in (1, 2)] == [_deterministic(a2[s]) for s in (1, 2)]
@@ -154,6 +157,7 @@ def test_two_rank_runs_repeat_bit_for_bit(runs):
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), what
 
 
+@pytest.mark.slow
 def test_two_nodes_of_one_rank_train_what_one_node_of_two_trains(runs):
     """Same configuration, ranks spread over two torchrun agents: the same collectives in the same order,
     so every metric and every byte of the weights and optimizer state is A's. (It differed from the
@@ -166,6 +170,7 @@ def test_two_nodes_of_one_rank_train_what_one_node_of_two_trains(runs):
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), what
 
 
+@pytest.mark.slow
 def test_two_rank_resume_equals_the_uninterrupted_run(runs):
     a, b = _metrics(runs["A"]), _metrics(runs["B"])
     assert sorted(b) == [2]  # resumed under its own run name: only the step it ran
@@ -175,6 +180,7 @@ def test_two_rank_resume_equals_the_uninterrupted_run(runs):
         assert all(torch.equal(x[k], y[k]) for k in x), what
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resumed, origin", [("C", "A"), ("D", "S")],
                          ids=["2-rank checkpoint on 1 process", "1-process checkpoint on 2 ranks"])
 def test_checkpoints_resume_on_another_rank_count(runs, resumed, origin):
@@ -184,6 +190,7 @@ def test_checkpoints_resume_on_another_rank_count(runs, resumed, origin):
     assert r[2]["parity/tokens_different"] == 0
 
 
+@pytest.mark.slow
 def test_only_rank_zero_writes_logs(runs):
     run_dir = runs["A"] / "runs" / "A"
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2

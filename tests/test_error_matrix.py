@@ -410,6 +410,7 @@ def _metrics(run_logs: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SIMPLE)
 def test_error_case(matrix, name):
     case, rc, out, err, _ = matrix[name]
@@ -435,6 +436,7 @@ def test_error_case(matrix, name):
         assert not (tmp / "runs" / name / "ckpt" / "grpo").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", INTERRUPTS)
 def test_interrupt_flushes_logs_keeps_checkpoint_and_resumes(matrix, name):
     _, rc, out, err, _ = matrix[name]

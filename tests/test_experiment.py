@@ -122,6 +122,7 @@ def _by_step(calls: list[dict], fn: str = "by_mode") -> dict[int, list[dict]]:
     return out
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_drops_refills_and_stops_at_the_round_limit(dapo_runs, files):
     full, _ = dapo_runs
     calls = _by_step(_calls(files / "full.log"))
@@ -151,6 +152,7 @@ def test_dynamic_sampling_drops_refills_and_stops_at_the_round_limit(dapo_runs, 
     assert state["data_position"] == position == 12
 
 
+@pytest.mark.slow
 def test_the_run_records_its_loss_and_sampling_choices(dapo_runs, files):
     meta = json.loads((files / "runs" / "full" / "run_metadata.json").read_text())["args"]
     state = json.loads((files / "ck" / "full" / "step_000003" / "state.json").read_text())["config"]
@@ -161,6 +163,7 @@ def test_the_run_records_its_loss_and_sampling_choices(dapo_runs, files):
         assert record["reward"] == [f"{files / 'my_rewards.py'}:by_mode"]
 
 
+@pytest.mark.slow
 def test_resume_continues_the_data_order_bit_for_bit(dapo_runs, files):
     full, resumed = dapo_runs
     assert len(resumed) == 1
@@ -347,6 +350,7 @@ def _cli(files: Path, *args: str, ranks: int = 0, log: str = "cli.log") -> subpr
                           timeout=900, cwd=files)
 
 
+@pytest.mark.slow
 def test_two_ranks_keep_and_train_what_one_process_does(tiny_ckpt, files, dapo_runs):
     """The dapo run on 2 gloo ranks: the same groups kept and dropped, the same rewards and parity counts; at
     step 2 one group is kept, so rank 1 trains a zero-weight placeholder, and the loss (its entropy term is

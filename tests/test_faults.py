@@ -117,6 +117,7 @@ def _intact(ck_root: Path, step: int) -> None:
     assert not [p for p in ck_root.iterdir() if p.name.startswith(".")], list(ck_root.iterdir())
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_every_rank_naming_it(faults):
     r = faults["kill"]
     assert r["rc"] != 0
@@ -130,6 +131,7 @@ def test_a_killed_rank_stops_every_rank_naming_it(faults):
     _intact(r["ck"], 2)  # steps 1 and 2 completed; step 3 never was
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_stops_every_rank_naming_it_and_its_error(faults):
     r = faults["raise"]
     assert r["seconds"] <= BOUND_S, f"ranks gone {r['seconds']:.1f} s after the error (bound {BOUND_S} s)"
@@ -142,6 +144,7 @@ def test_a_rank_that_raises_stops_every_rank_naming_it_and_its_error(faults):
     _intact(r["ck"], 1)
 
 
+@pytest.mark.slow
 def test_the_latest_checkpoint_resumes_after_a_fault(faults):
     root = faults["root"]
     for name, first in (("kill_resumed", 3), ("raise_resumed", 2)):
@@ -152,6 +155,7 @@ def test_the_latest_checkpoint_resumes_after_a_fault(faults):
         assert m[0]["parity/tokens_compared"] > 0
 
 
+@pytest.mark.slow
 def test_sigterm_on_the_whole_job_checkpoints_and_exits_zero(module_dir):
     """Slurm's preemption signals every process of the job (here: torchrun's process group), and torchrun
     forwards it to the ranks again: each rank stops at its next safe point together with the other,

@@ -8,6 +8,8 @@ wrong elements, which on the GPU would show up only as a failed parity run.
 
 from __future__ import annotations
 
+import pytest
+
 from kernels.gemm import CONFIGS, pick_config
 
 _INTERPRETED = r"""
@@ -67,7 +69,7 @@ def _decode_step_picks():
 def test_decode_steps_of_65_to_512_rows_take_masked_or_tma_tiles():
     """A decode step runs the GEMMs at a CUDA-graph capture size (multiples of 8 to 256, then of 16). At the
     sizes that are not multiples of 16 or leave a thin last row tile (72, 136, 200, 272 rows), the unmasked
-    pointer tiles ran 1.3-2x slower than masked ("dec_") or TMA tiles on an H100 (docs/rollout-profile.md,
+    pointer tiles ran 1.3-2x slower than masked ("dec_") or TMA tiles on an H100 (6396e11:docs/rollout-profile.md,
     issue 39), so no real Qwen3 linear may get one there (the two-part "p2_", stream-K "sk_" and warp-specialized
     "ws_"/"wsx_" tiles are TMA tiles)."""
     for shape, layer, _, _, m, config in _decode_step_picks():
@@ -106,6 +108,7 @@ print(bad or ("ok" if cut >= 20 else f"only {cut} of {launches} launches cut a t
 """
 
 
+@pytest.mark.slow
 def test_stream_k_carries_each_tile_s_accumulator_exactly_and_leaves_the_flags_zero(triton_interpreter):
     """Every element of the stream-K kernel equals the one-program K loop's (the carried fp32 accumulator
     is the register one), no element is left unwritten (NaN-filled outputs), and each launch leaves its

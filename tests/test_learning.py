@@ -148,6 +148,7 @@ def test_arith_warmstart_teacher(task, share, expect):
         assert s.completion_ids == digits(task.tokenizer, want)
 
 
+@pytest.mark.slow
 def test_learning_curve_pipeline_end_to_end_on_cpu(tmp_path):
     """The one-command pipeline (random model -> warm start -> GRPO with evals -> PNG), tiny and
     on CPU: every stage runs, evals are logged before the first step and after each, the PNG is

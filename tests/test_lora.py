@@ -121,7 +121,7 @@ def test_lora_linear_backward_is_deterministic():
     assert torch.equal(dx1, dx2) and all(torch.equal(a, b) for a, b in zip(d1, d2))
 
 
-@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "qwen06_2layer_ckpt"])
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", pytest.param("qwen06_2layer_ckpt", marks=pytest.mark.slow)])
 def test_model_gradients_match_materialized_float64(ckpt, request):
     """Every adapter of every module, lm_head included (tied embeddings: an untied head), through
     the whole model and the sampling transform: our low-rank backward vs autograd through a

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 CPU = ["--engine", "native", "--device", "cpu", "--model", "random:tiny", "--group-size", "4", "--max-new-tokens", "8",
        "--prompts-per-rank", "1"]
@@ -21,6 +23,7 @@ def _script(out: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=1200)
 
 
+@pytest.mark.slow
 def test_every_correctness_check_passes_with_lora_on_two_cpu_ranks(tmp_path):
     proc = _script(tmp_path / "mg", "--lora-rank", "4", "--lr", "1e-3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -29,6 +32,7 @@ def test_every_correctness_check_passes_with_lora_on_two_cpu_ranks(tmp_path):
     assert any(x.startswith("  faults: every rank gone ") and "rank 1 (pid" in x for x in lines)
 
 
+@pytest.mark.slow
 def test_big_passes_on_two_cpu_ranks(tmp_path):
     proc = _script(tmp_path / "mg", "--only", "big", "--big-model", "random:tiny", "--steps-big", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

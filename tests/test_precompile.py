@@ -98,7 +98,7 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [pytest.param(False, marks=pytest.mark.slow), True], ids=["full", "lora"])
 def test_precompile_changes_no_bits(tiny_ckpt, tmp_path, monkeypatch, lora):
     """Two runs, one with the trainer's warm-up before step 1 (forced on, on the CPU): the same checkpoint bytes
     and the same metrics, but for what the warm-up itself reports."""
@@ -135,7 +135,7 @@ def test_precompile_changes_no_bits(tiny_ckpt, tmp_path, monkeypatch, lora):
 def test_logprob_backward_kernel_ignores_the_alignment_of_row_slices():
     """The trainer slices ids and the incoming gradients per chunk of rows (1,766 rows at Qwen3's vocabulary), so
     a chunk's slice may start 8 bytes past a 16-byte boundary; a kernel specialized on their alignment built a
-    second variant in the middle of step 1 (H100, session 39). They are not specialized on."""
+    second variant in the middle of step 1 (H100, 2026-11-26). They are not specialized on."""
     pytest.importorskip("triton")
     from kernels.logprob_backward import _logprob_bwd_kernel
 

@@ -49,7 +49,7 @@ def test_grid_order_and_cells():
 
 
 @pytest.mark.parametrize("size,batch,derived_ms", [
-    (SIZE_17, 1, 2.8), (SIZE_17, 64, 4.7), (SIZE_17, 256, 10.3),   # docs/rollout-profile.md, fifth run
+    (SIZE_17, 1, 2.8), (SIZE_17, 64, 4.7), (SIZE_17, 256, 10.3),   # 6396e11:docs/rollout-profile.md, fifth run
     (SIZE_8, 1, 7.3), (SIZE_8, 64, 9.8), (SIZE_8, 256, 19.0),
 ])
 def test_decode_step_estimate_is_on_the_slow_side_of_the_measured_rollouts(size, batch, derived_ms):
@@ -85,7 +85,7 @@ def test_plan_keeps_the_budget_and_order():
     tight = sw.plan([big, small], SIZE_8, rates, sw.plan([], SIZE_8, rates, 1e9, 2, 2, False, None).fixed_s
                     + 2 * sw.cell_seconds(SIZE_8, rates, small, 2, False) + 1, 2, 2, False, None)
     assert tight.cells == [small] and tight.over_budget == [big]
-    # the numbers docs/rollout-profile.md states for the default grid
+    # the numbers 6396e11:docs/rollout-profile.md states for the default grid
     pl17 = sw.plan(cells, SIZE_17, rates, 540, 2, 2, False, sw.kv_tokens_estimate(SIZE_17, rates, 0.85), True)
     assert (len(pl17.cells), len(pl17.over_budget), len(pl17.no_kv)) == (96, 1, 23)
     assert (len(pl.cells), len(pl.over_budget), len(pl.no_kv)) == (67, 26, 27)

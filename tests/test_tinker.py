@@ -117,6 +117,7 @@ def test_cookbook_rl_loop_runs_with_parity(tiny_ckpt, tmp_path):
     assert (tmp_path / "cb" / "checkpoints.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_cookbook_async_rl_loop_trains_off_policy_data(tiny_ckpt, tmp_path):
     """The cookbook's async mode (AsyncConfig, sampling one step ahead of training, ppo): 4 steps train;
     data sampled at the weights being trained is compared (the first batch always is), data from an
@@ -130,6 +131,7 @@ def test_cookbook_async_rl_loop_trains_off_policy_data(tiny_ckpt, tmp_path):
     assert calls[0]["tokens_compared"] > 0 and all(c["tokens_different"] == 0 for c in calls)
 
 
+@pytest.mark.slow
 def test_cookbook_sl_loop_runs(tiny_ckpt, tmp_path):
     r = launch(tmp_path, SCRIPTS / "sl_cookbook.py", tiny_ckpt, tmp_path / "sl")
     assert r.returncode == 0 and "Training completed successfully" in r.stdout + r.stderr

@@ -367,6 +367,7 @@ def test_classic_sync_script_runs_with_parity(tiny_ckpt, tmp_path):
     assert len(calls) == 2 and all(c["tokens_compared"] > 0 and c["tokens_different"] == 0 for c in calls)
 
 
+@pytest.mark.slow
 def test_async_double_await_script_runs_with_parity(tiny_ckpt, tmp_path):
     r = launch(tmp_path, SCRIPTS / "async_double_await.py", tiny_ckpt)
     assert r.returncode == 0 and re.search(r"^restored tinker://\S+ True True$", r.stdout, re.M)  # moved, restored

@@ -18,7 +18,7 @@ pytest.importorskip("trl")
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("lora", [0, 4])
+@pytest.mark.parametrize("lora", [0, pytest.param(4, marks=pytest.mark.slow)])
 def test_trl_grpo_anchor_runs(tiny_ckpt, tmp_path, lora):
     r = subprocess.run([sys.executable, str(REPO / "compare" / "trl_grpo.py"), "--model", str(tiny_ckpt), "--vllm",
                         "none", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch", "2",
