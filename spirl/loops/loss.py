@@ -80,16 +80,9 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float | None = 
     if std not in ADVANTAGE_STDS:
         raise ValueError(f"std must be one of {', '.join(ADVANTAGE_STDS)}, got {std!r}")
     g = r.view(-1, group_size)
-    if std == "sample":
-        eps = ADV_EPS_SAMPLE if eps is None else eps
-        centered = g - torch.nanmean(g, dim=1, keepdim=True)
-        if scale == "group":
-            centered = centered / (_nan_sample_std(g, dim=1, keepdim=True) + eps)
-        elif scale == "batch":
-            centered = centered / (_nan_sample_std(r) + eps)
-        return torch.nan_to_num(centered, nan=0.0).reshape(-1)
-    eps = ADV_EPS if eps is None else eps
-    if not torch.isnan(r).any():
+    if eps is None:
+        eps = ADV_EPS_SAMPLE if std == "sample" else ADV_EPS
+    if std == "population" and not torch.isnan(r).any():
         # every reward scored: mean and std themselves, not their NaN-skipping forms, which round differently in the
         # last bit on some CPUs (AMD EPYC, 2026-11-27), so that the default stays the formula SPIRL always used
         centered = g - g.mean(dim=1, keepdim=True)
@@ -98,11 +91,12 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float | None = 
         elif scale == "batch":
             centered = centered / (r.std(unbiased=False) + eps)
         return centered.reshape(-1)
+    nan_std = _nan_sample_std if std == "sample" else _nan_std
     centered = g - torch.nanmean(g, dim=1, keepdim=True)
     if scale == "group":
-        centered = centered / (_nan_std(g, dim=1, keepdim=True) + eps)
+        centered = centered / (nan_std(g, dim=1, keepdim=True) + eps)
     elif scale == "batch":
-        centered = centered / (_nan_std(r) + eps)
+        centered = centered / (nan_std(r) + eps)
     return torch.nan_to_num(centered, nan=0.0).reshape(-1)
 
 
