@@ -78,3 +78,9 @@ class PolicySpec:
     merge) or `gpu` (a second copy on the GPU: faster merges, more memory)."""
     seed: int = 0
     """Seed of the LoRA adapters' random initialization."""
+
+    @property
+    def backend(self) -> str:
+        """The trainer's kernel backend (torchtitan_compat.select_backend): plain PyTorch beside the native engine,
+        vLLM's kernels (where there are any: `auto`) beside vLLM."""
+        return "reference" if self.engine.kind == "native" else "auto"
