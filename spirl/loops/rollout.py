@@ -27,13 +27,13 @@ import torch
 
 from ..core.distributed import World, even_slices, shard_of
 from ..core.multiturn import episode_metrics, prompt_seeds, run_episodes
-from ..numerics.parity import ParityReport, check_parity, logprob_dist, sampled_logprobs
+from ..numerics.parity import ParityReport, check_parity, sampled_logprobs
 from ..tasks.dataset import DatasetError
 from ..tasks.rewards import RewardError, Scored, score
 from .loss import grpo_advantages
 from .prompts import round_seed
 from .setup import Run
-from .update import Placeholder
+from .update import Placeholder, sampling_dist
 from .timing import timed
 
 log = logging.getLogger("spirl.loops.rollout")
@@ -77,8 +77,7 @@ def sample_round(run: Run, step: int, r: int, prompts: list, times: dict) -> Rou
             metas = [meta for _, meta in prompts for _ in range(cfg.group_size)]
             extra, outputs = {}, [s.completion_ids for s in samples]
     with timed(times, "parity"), torch.no_grad():
-        trainer_lps = sampled_logprobs(policy.model, samples, run.device, logprob_dist(cfg.logprobs, cfg.temperature,
-                                                                                      cfg.min_p))
+        trainer_lps = sampled_logprobs(policy.model, samples, run.device, sampling_dist(cfg))
         report = check_parity(samples, trainer_lps, step, run.run_dir, engine, policy)
         del trainer_lps
     error, scored = None, None
@@ -89,6 +88,12 @@ def sample_round(run: Run, step: int, r: int, prompts: list, times: dict) -> Rou
             error = RewardError(not_applied(e, step))
     world.raise_if_any(error)
     return Round(samples, metas, scored, report, extra)
+
+
+def advantages(rewards: torch.Tensor, cfg) -> torch.Tensor:
+    """The group-relative advantages of a step's rewards (prompt-major, --group-size a prompt) as the run's
+    --scale-rewards and --advantage-std ask."""
+    return grpo_advantages(rewards, cfg.group_size, scale=cfg.scale_rewards, std=cfg.advantage_std)
 
 
 def not_applied(e: Exception, step: int) -> str:
@@ -161,7 +166,7 @@ def collect(run: Run, step: int, times: dict) -> Rollout:
         rnd = rounds[0]
         samples, metas = rnd.samples, rnd.metas
         every = torch.cat(world.gather(rnd.scored.rewards))  # rank order = one process's order (batch std)
-        adv = shard_of(grpo_advantages(every, cfg.group_size, scale=cfg.scale_rewards, std=cfg.advantage_std), world)
+        adv = shard_of(advantages(every, cfg), world)
     report = None
     for rnd in rounds:
         report = _merge(report, rnd.report)
@@ -205,12 +210,12 @@ class KeptGroups:
         trains a zero-weight Placeholder, so that the collectives pair up)."""
         g, kept = self.g, self.groups[:want]
         rewards = torch.cat([k[2] for k in kept]) if kept else torch.zeros(0)
-        advantages = grpo_advantages(rewards, g, scale=cfg.scale_rewards, std=cfg.advantage_std) if kept else rewards
+        adv_all = advantages(rewards, cfg) if kept else rewards
         share = even_slices(len(kept), world.size)[world.rank]
         mine = kept[share]
         samples = [s for k in mine for s in k[0]]
         metas = [m for k in mine for m in k[1]]
-        adv = advantages[share.start * g:share.stop * g]
+        adv = adv_all[share.start * g:share.stop * g]
         if not samples and kept:  # this rank trains nothing this step: a zero-weight pass keeps collectives paired
             samples, metas, adv = [Placeholder(kept[0][0][0])], [kept[0][1][0]], torch.zeros(1)
         return samples, metas, adv

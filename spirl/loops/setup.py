@@ -104,10 +104,6 @@ class Run:
     closing: ExitStack = field(default_factory=ExitStack)
 
     @property
-    def cursor(self) -> DataCursor:
-        return self.source.cursor
-
-    @property
     def checkpoint_root(self) -> Path:
         return Path(self.cfg.checkpoint_dir) / self.cfg.run_name
 
