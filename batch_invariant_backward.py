@@ -176,17 +176,22 @@ class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        if on_tensor_cores(x):  # one fused pass (kernels.pointwise_backward), same math
-            from kernels.pointwise_backward import swiglu_backward
+        return silu_and_mul_grad(x, grad_out), None
 
-            return swiglu_backward(x, grad_out), None
-        cdt = compute_dtype(x.dtype)
-        a, b = x.to(cdt).chunk(2, dim=-1)
-        g = grad_out.to(cdt)
-        s = torch.sigmoid(a)
-        da = g * b * s * (1 + a * (1 - s))
-        db = g * a * s
-        return torch.cat([da, db], dim=-1).to(x.dtype), None
+
+def silu_and_mul_grad(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """dL/dx of out = silu_and_mul(x) (SiluAndMulFunction's math), in x's dtype."""
+    if on_tensor_cores(x):  # one fused pass (kernels.pointwise_backward), same math
+        from kernels.pointwise_backward import swiglu_backward
+
+        return swiglu_backward(x, grad_out)
+    cdt = compute_dtype(x.dtype)
+    a, b = x.to(cdt).chunk(2, dim=-1)
+    g = grad_out.to(cdt)
+    s = torch.sigmoid(a)
+    da = g * b * s * (1 + a * (1 - s))
+    db = g * a * s
+    return torch.cat([da, db], dim=-1).to(x.dtype)
 
 
 def silu_and_mul(x, backend):

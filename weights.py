@@ -1,6 +1,6 @@
 """Hugging Face Qwen3 checkpoints <-> TorchTitan state dicts: a library and a small CLI.
 
-    python weights.py --random {tiny,Qwen3-0.6B,Qwen3-1.7B} [--layers N] [--seed S] [--dtype bf16|fp32] --out DIR
+    python weights.py --random {tiny,Qwen3-1.7B,tiny-moe,Qwen3-30B-A3B,...} [--layers N] [--seed S] [--dtype bf16|fp32] --out DIR
     python weights.py --download REPO_ID --out DIR
     python weights.py --check DIR
     python weights.py --merge-lora ADAPTER_DIR --model BASE_DIR --out DIR [--device auto|cpu|cuda]
@@ -59,11 +59,34 @@ class WeightsError(ValueError):
 # Expected tensors (names and shapes follow from the config alone)
 
 
-def expected_hf_shapes(model_args) -> dict[str, tuple[int, ...]]:
-    """HF Qwen3 tensor names -> shapes, in the canonical order (embeddings, layers, norm, head)."""
+def sparse_layers(model_args) -> tuple[int, ...]:
+    """The Qwen3-MoE layers with a router and experts (none for a dense Qwen3)."""
+    return tuple(getattr(model_args, "sparse_layers", ()))
+
+
+def expected_hf_expert_shapes(model_args) -> dict[str, tuple[int, ...]]:
+    """HF names -> shapes of the sparse layers' router and experts, as the Hub's Qwen3-MoE checkpoints and
+    transformers' `save_pretrained` write them (one tensor per expert and projection)."""
+    a = model_args
+    shapes = {}
+    for i in sparse_layers(a):
+        p = f"model.layers.{i}.mlp."
+        shapes[p + "gate.weight"] = (a.moe_args.num_experts, a.dim)
+        for e in range(a.moe_args.num_experts):
+            shapes.update({f"{p}experts.{e}.gate_proj.weight": (a.moe_inter_dim, a.dim),
+                           f"{p}experts.{e}.up_proj.weight": (a.moe_inter_dim, a.dim),
+                           f"{p}experts.{e}.down_proj.weight": (a.dim, a.moe_inter_dim)})
+    return shapes
+
+
+def expected_hf_shapes(model_args, experts: bool = True) -> dict[str, tuple[int, ...]]:
+    """HF Qwen3 tensor names -> shapes, in the canonical order (embeddings, layers, norm, head). Qwen3-MoE's
+    sparse layers have a router and experts (`expected_hf_expert_shapes`; left out with `experts=False`) in
+    place of the dense MLP."""
     a = model_args
     d, dh, inter = a.dim, a.head_dim, a.hidden_dim
     q, kv = a.n_heads * dh, a.n_kv_heads * dh
+    moe = expected_hf_expert_shapes(a) if experts else {}
     shapes = {"model.embed_tokens.weight": (a.vocab_size, d)}
     for i in range(a.n_layers):
         p = f"model.layers.{i}."
@@ -76,10 +99,12 @@ def expected_hf_shapes(model_args) -> dict[str, tuple[int, ...]]:
             p + "self_attn.q_norm.weight": (dh,),
             p + "self_attn.k_norm.weight": (dh,),
             p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (inter, d),
-            p + "mlp.up_proj.weight": (inter, d),
-            p + "mlp.down_proj.weight": (d, inter),
         })
+        if i in sparse_layers(a):
+            shapes.update((k, v) for k, v in moe.items() if k.startswith(p))
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (inter, d), p + "mlp.up_proj.weight": (inter, d),
+                           p + "mlp.down_proj.weight": (d, inter)})
     shapes["model.norm.weight"] = (d,)
     if not a.enable_weight_tying:  # tied checkpoints store the embedding once
         shapes["lm_head.weight"] = (a.vocab_size, d)
@@ -87,7 +112,9 @@ def expected_hf_shapes(model_args) -> dict[str, tuple[int, ...]]:
 
 
 def expected_titan_shapes(model_args) -> dict[str, tuple[int, ...]]:
-    """TorchTitan Qwen3Model state-dict names -> shapes (output.weight always, as the model has it)."""
+    """TorchTitan Qwen3Model state-dict names -> shapes (output.weight always, as the model has it). A Qwen3-MoE
+    sparse layer's router and experts are not here: they map between the HF and the merged layout directly
+    (`weights_vllm_compat`), without a TorchTitan copy."""
     a = model_args
     d, dh, inter = a.dim, a.head_dim, a.hidden_dim
     q, kv = a.n_heads * dh, a.n_kv_heads * dh
@@ -101,12 +128,11 @@ def expected_titan_shapes(model_args) -> dict[str, tuple[int, ...]]:
             p + "attention.wo.weight": (d, q),
             p + "attention.q_norm.weight": (dh,),
             p + "attention.k_norm.weight": (dh,),
-            p + "feed_forward.w1.weight": (inter, d),
-            p + "feed_forward.w2.weight": (d, inter),
-            p + "feed_forward.w3.weight": (inter, d),
-            p + "attention_norm.weight": (d,),
-            p + "ffn_norm.weight": (d,),
         })
+        if i not in sparse_layers(a):
+            shapes.update({p + "feed_forward.w1.weight": (inter, d), p + "feed_forward.w2.weight": (d, inter),
+                           p + "feed_forward.w3.weight": (inter, d)})
+        shapes.update({p + "attention_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
     shapes["norm.weight"] = (d,)
     shapes["output.weight"] = (a.vocab_size, d)
     return shapes
@@ -158,10 +184,11 @@ def _adapter(model_args):
 
 
 def hf_to_titan(hf_sd: dict, model_args) -> dict:
-    """HF Qwen3 state dict -> TorchTitan state dict (tied: output.weight is the embedding tensor)."""
+    """HF Qwen3 state dict -> TorchTitan state dict (tied: output.weight is the embedding tensor). Qwen3-MoE:
+    the state dict without the sparse layers' router and experts (see expected_titan_shapes)."""
     hf_sd = _drop_tied_output(hf_sd, "lm_head.weight", "model.embed_tokens.weight", "HF state dict") \
         if model_args.enable_weight_tying else hf_sd
-    check_state_dict(hf_sd, expected_hf_shapes(model_args), "HF state dict",
+    check_state_dict(hf_sd, expected_hf_shapes(model_args, experts=False), "HF state dict",
                      "the weights do not match the model config")
     # The adapter inserts lm_head.weight into the dict it is given when weights are tied: copy it.
     titan_sd = _adapter(model_args).from_hf(dict(hf_sd))
@@ -179,10 +206,10 @@ def titan_to_hf(titan_sd: dict, model_args) -> dict:
     # Validate first: the adapter silently drops names it does not know.
     check_state_dict(titan_sd, expected, "TorchTitan state dict", "the weights do not match the model config")
     hf_sd = _adapter(model_args).to_hf(dict(titan_sd))
-    check_state_dict(hf_sd, expected_hf_shapes(model_args), "converted HF state dict",
-                     "this is a bug in weights.titan_to_hf")
+    expected_hf = expected_hf_shapes(model_args, experts=False)
+    check_state_dict(hf_sd, expected_hf, "converted HF state dict", "this is a bug in weights.titan_to_hf")
     # canonical order, so that saved files and iteration order do not depend on the input's order
-    return {k: hf_sd[k] for k in expected_hf_shapes(model_args)}
+    return {k: hf_sd[k] for k in expected_hf}
 
 
 def hf_names_of_titan(titan_part: dict, model_args) -> dict:
@@ -194,7 +221,7 @@ def hf_names_of_titan(titan_part: dict, model_args) -> dict:
         if k not in expected_titan or tuple(v.shape) != tuple(expected_titan[k]):
             raise WeightsError(f"TorchTitan weights: {k} {list(v.shape)} is not a weight of this model config")
     hf = _adapter(model_args).to_hf(dict(titan_part))
-    expected = expected_hf_shapes(model_args)
+    expected = expected_hf_shapes(model_args, experts=False)
     if len(hf) != len(titan_part) or any(k not in expected for k in hf):
         raise WeightsError(f"TorchTitan weights: {sorted(titan_part)} did not map one to one onto HF names "
                            "(this is a bug in weights.hf_names_of_titan)")
@@ -273,11 +300,28 @@ def hf_state_dict(checkpoint: ModelDir) -> dict:
     sd = _read_safetensors(model_dir)
     # Non-learned RoPE buffers that some exporters include: nothing to load, so ignore them.
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    sd = unfuse_experts(sd, model_args)
     if model_args.enable_weight_tying:
         sd = _drop_tied_output(sd, "lm_head.weight", "model.embed_tokens.weight", str(model_dir))
     check_state_dict(sd, expected_hf_shapes(model_args), str(model_dir),
                      "the weights do not match config.json: re-download or regenerate the checkpoint")
     return sd
+
+
+def unfuse_experts(sd: dict, model_args) -> dict:
+    """Experts stored fused, as transformers 5 holds them in memory (`mlp.experts.gate_up_proj` [E, 2I, D] =
+    cat(gate, up) per expert, `mlp.experts.down_proj` [E, D, I]; vLLM loads this form too), as the per-expert
+    tensors the Hub's checkpoints have: views, no copy. Anything else is returned as it is."""
+    out = dict(sd)
+    inter = getattr(model_args, "moe_inter_dim", 0)
+    for i in sparse_layers(model_args):
+        p = f"model.layers.{i}.mlp.experts."
+        gate_up, down = out.pop(p + "gate_up_proj", None), out.pop(p + "down_proj", None)
+        for e, t in enumerate(gate_up if gate_up is not None and gate_up.dim() == 3 else ()):
+            out[f"{p}{e}.gate_proj.weight"], out[f"{p}{e}.up_proj.weight"] = t[:inter], t[inter:]
+        for e, t in enumerate(down if down is not None and down.dim() == 3 else ()):
+            out[f"{p}{e}.down_proj.weight"] = t
+    return out
 
 
 def resolve_model_dir(model: str = DEFAULT_MODEL, local_dir: str | Path | None = None) -> Path:
@@ -434,6 +478,9 @@ def summarize(model_dir: Path, cfg: dict, sd: dict) -> str:
     return "\n".join([
         f"{model_dir}: Qwen3, {a.n_layers} layers, hidden {a.dim}, heads {a.n_heads} q / {a.n_kv_heads} kv x {a.head_dim}, "
         f"intermediate {a.hidden_dim}, vocab {a.vocab_size}, {'tied' if a.enable_weight_tying else 'untied'} embeddings",
+        *([f"mixture of experts: {len(sparse_layers(a))} sparse layers, {a.moe_args.num_experts} experts of width "
+           f"{a.moe_inter_dim}, top-{a.moe_args.top_k}, {'renormalized' if a.moe_args.route_norm else 'unnormalized'} "
+           "routing weights"] if sparse_layers(a) else []),
         f"tensors: {len(sd)}, parameters: {n_params:,} ({n_params / 1e9:.3f}B), dtype: {dtypes}",
         f"tokenizer: {'tokenizer.json present' if has_tok else 'MISSING (no tokenizer.json)'}",
         "OK",

@@ -15,6 +15,12 @@ Qwen3 does, so its matmuls have vLLM's shapes:
     norm.weight                                 [D]
     output.weight                               [V, D]  only when embeddings are untied
 
+A Qwen3-MoE sparse layer has, in place of `feed_forward.*` (vLLM's FusedMoE layout, transformers 5's too):
+
+    layers.{i}.moe.router.weight                [E, D]                = HF mlp.gate
+    layers.{i}.moe.experts.gate_up_proj         [E, 2 I, D]           [e] = cat([gate_e, up_e], 0)
+    layers.{i}.moe.experts.down_proj            [E, D, I]             [e] = down_e
+
 Concatenation and splitting only move bytes, so every round trip is bit-exact. Splits return
 views into the merged tensor (no copy) unless `clone=True`, which gives independent tensors that
 can be modified without touching the fused weights.
@@ -29,8 +35,8 @@ import torch
 
 from torchtitan_compat import Qwen3VLLMCompatModel, select_backend
 from torchtitan_compat.config import ModelDir
-from weights import (WeightsError, check_state_dict, expected_titan_shapes, hf_names_of_titan, hf_to_titan,
-                     hf_state_dict, read_model_dir, titan_to_hf)
+from weights import (WeightsError, check_state_dict, expected_hf_expert_shapes, expected_hf_shapes, expected_titan_shapes,
+                     hf_names_of_titan, hf_to_titan, hf_state_dict, read_model_dir, sparse_layers, titan_to_hf)
 
 _HINT = "the weights do not match the model config"
 
@@ -49,11 +55,23 @@ def linear_shapes(model_args) -> dict[str, tuple[int, int]]:
             "lm_head": (model_args.vocab_size, d)}
 
 
+def expected_compat_expert_shapes(model_args) -> dict[str, tuple[int, ...]]:
+    """Compat names -> shapes of the Qwen3-MoE sparse layers' router and experts."""
+    a = model_args
+    shapes = {}
+    for i in sparse_layers(a):
+        e, inter, p = a.moe_args.num_experts, a.moe_inter_dim, f"layers.{i}.moe."
+        shapes.update({p + "router.weight": (e, a.dim), p + "experts.gate_up_proj": (e, 2 * inter, a.dim),
+                       p + "experts.down_proj": (e, a.dim, inter)})
+    return shapes
+
+
 def expected_compat_shapes(model_args) -> dict[str, tuple[int, ...]]:
     """Compat-layout names -> shapes, in canonical order."""
     a = model_args
     d, dh = a.dim, a.head_dim
     lin = linear_shapes(a)
+    moe = expected_compat_expert_shapes(a)
     shapes = {"tok_embeddings.weight": (a.vocab_size, d)}
     for i in range(a.n_layers):
         p = f"layers.{i}."
@@ -64,9 +82,12 @@ def expected_compat_shapes(model_args) -> dict[str, tuple[int, ...]]:
             p + "attention.q_norm.weight": (dh,),
             p + "attention.k_norm.weight": (dh,),
             p + "ffn_norm.weight": (d,),
-            p + "feed_forward.gate_up_proj.weight": lin["gate_up"],
-            p + "feed_forward.down_proj.weight": lin["down"],
         })
+        if i in sparse_layers(a):
+            shapes.update((k, v) for k, v in moe.items() if k.startswith(p))
+        else:
+            shapes.update({p + "feed_forward.gate_up_proj.weight": lin["gate_up"],
+                           p + "feed_forward.down_proj.weight": lin["down"]})
     shapes["norm.weight"] = (d,)
     if not a.enable_weight_tying:  # tied: the model reuses tok_embeddings as the head
         shapes["output.weight"] = (a.vocab_size, d)
@@ -97,6 +118,8 @@ def titan_to_compat(titan_sd: dict, model_args) -> dict:
         compat[c + "attention.q_norm.weight"] = titan_sd[t + "attention.q_norm.weight"]
         compat[c + "attention.k_norm.weight"] = titan_sd[t + "attention.k_norm.weight"]
         compat[c + "ffn_norm.weight"] = titan_sd[t + "ffn_norm.weight"]
+        if i in sparse_layers(model_args):
+            continue
         compat[c + "feed_forward.gate_up_proj.weight"] = torch.cat(
             [titan_sd[t + "feed_forward.w1.weight"], titan_sd[t + "feed_forward.w3.weight"]], 0)
         compat[c + "feed_forward.down_proj.weight"] = titan_sd[t + "feed_forward.w2.weight"]
@@ -104,6 +127,52 @@ def titan_to_compat(titan_sd: dict, model_args) -> dict:
     if not model_args.enable_weight_tying:
         compat["output.weight"] = titan_sd["output.weight"]
     return compat
+
+
+def _titan_expected_compat(model_args) -> dict:
+    """expected_compat_shapes without the sparse layers' router and experts (what TorchTitan's layout covers)."""
+    moe = expected_compat_expert_shapes(model_args)
+    return {k: v for k, v in expected_compat_shapes(model_args).items() if k not in moe}
+
+
+def _split_off_experts(sd: dict, names) -> tuple[dict, dict]:
+    """(the entries of sd named in `names`, the others)."""
+    names = set(names)
+    return {k: v for k, v in sd.items() if k in names}, {k: v for k, v in sd.items() if k not in names}
+
+
+def hf_experts_to_compat(hf_sd: dict, model_args) -> dict:
+    """The sparse layers' HF router and per-expert tensors (all of them) in the merged layout: each layer's
+    experts copied once into [E, 2I, D] and [E, D, I] tensors of the HF tensors' dtype."""
+    a, out = model_args, {}
+    for i in sparse_layers(a):
+        p, e_count, inter = f"model.layers.{i}.mlp.", a.moe_args.num_experts, a.moe_inter_dim
+        first = hf_sd[p + "experts.0.gate_proj.weight"]
+        gate_up = torch.empty((e_count, 2 * inter, a.dim), dtype=first.dtype)
+        down = torch.empty((e_count, a.dim, inter), dtype=first.dtype)
+        for e in range(e_count):
+            gate_up[e, :inter] = hf_sd[f"{p}experts.{e}.gate_proj.weight"]
+            gate_up[e, inter:] = hf_sd[f"{p}experts.{e}.up_proj.weight"]
+            down[e] = hf_sd[f"{p}experts.{e}.down_proj.weight"]
+        out.update({f"layers.{i}.moe.router.weight": hf_sd[p + "gate.weight"],
+                    f"layers.{i}.moe.experts.gate_up_proj": gate_up, f"layers.{i}.moe.experts.down_proj": down})
+    return out
+
+
+def compat_experts_to_hf(compat_part: dict, model_args) -> dict:
+    """Merged-layout router and expert tensors (any subset of them) under their HF names: views, no copy."""
+    out, inter = {}, getattr(model_args, "moe_inter_dim", 0)
+    for name, t in compat_part.items():
+        layer, _, what = name.removeprefix("layers.").partition(".moe.")
+        p = f"model.layers.{layer}.mlp."
+        if what == "router.weight":
+            out[p + "gate.weight"] = t
+        elif what == "experts.gate_up_proj":
+            for e in range(t.shape[0]):
+                out[f"{p}experts.{e}.gate_proj.weight"], out[f"{p}experts.{e}.up_proj.weight"] = t[e, :inter], t[e, inter:]
+        else:
+            out.update((f"{p}experts.{e}.down_proj.weight", t[e]) for e in range(t.shape[0]))
+    return out
 
 
 def _split_to_titan(compat: dict, model_args, own=lambda t: t) -> dict:
@@ -128,8 +197,9 @@ def _split_to_titan(compat: dict, model_args, own=lambda t: t) -> dict:
 
 def compat_to_titan(compat_sd: dict, model_args, clone: bool = False) -> dict:
     """Compat layout -> TorchTitan state dict (tied: output.weight is the embedding tensor, as
-    `weights.hf_to_titan` gives). Split weights are views of the fused ones unless `clone`."""
-    check_state_dict(compat_sd, expected_compat_shapes(model_args), "compat state dict", _HINT)
+    `weights.hf_to_titan` gives). Split weights are views of the fused ones unless `clone`. Qwen3-MoE:
+    without the sparse layers' router and experts (`expected_titan_shapes`)."""
+    check_state_dict(compat_sd, _titan_expected_compat(model_args), "compat state dict", _HINT)
     titan = _split_to_titan(compat_sd, model_args, (lambda t: t.clone()) if clone else (lambda t: t))
     if model_args.enable_weight_tying:
         titan["output.weight"] = titan["tok_embeddings.weight"]
@@ -137,13 +207,22 @@ def compat_to_titan(compat_sd: dict, model_args, clone: bool = False) -> dict:
 
 
 def compat_to_hf(compat_sd: dict, model_args, clone: bool = False) -> dict:
-    """Compat layout -> HF Qwen3 state dict (split q/k/v and gate/up; tied: no lm_head.weight)."""
-    return titan_to_hf(compat_to_titan(compat_sd, model_args, clone=clone), model_args)
+    """Compat layout -> HF Qwen3 state dict (split q/k/v and gate/up, experts one tensor each; tied: no
+    lm_head.weight), in the canonical order."""
+    check_state_dict(compat_sd, expected_compat_shapes(model_args), "compat state dict", _HINT)
+    moe, rest = _split_off_experts(compat_sd, expected_compat_expert_shapes(model_args))
+    hf = titan_to_hf(compat_to_titan(rest, model_args, clone=clone), model_args)
+    hf.update(compat_experts_to_hf({k: v.clone() for k, v in moe.items()} if clone else moe, model_args))
+    return {k: hf[k] for k in expected_hf_shapes(model_args)}
 
 
 def hf_to_compat(hf_sd: dict, model_args) -> dict:
-    """HF Qwen3 state dict -> compat layout (via TorchTitan)."""
-    return titan_to_compat(hf_to_titan(hf_sd, model_args), model_args)
+    """HF Qwen3 state dict -> compat layout (via TorchTitan; Qwen3-MoE experts directly)."""
+    moe, rest = _split_off_experts(hf_sd, expected_hf_expert_shapes(model_args))
+    check_state_dict(moe, expected_hf_expert_shapes(model_args), "HF state dict", _HINT)
+    compat = titan_to_compat(hf_to_titan(rest, model_args), model_args)
+    compat.update(hf_experts_to_compat(moe, model_args))
+    return {k: compat[k] for k in expected_compat_shapes(model_args)}
 
 
 def compat_to_vllm_weights(compat_sd: dict, model_args) -> Iterator[tuple[str, torch.Tensor]]:
@@ -164,7 +243,10 @@ def compat_part_to_hf(compat_part: dict, model_args) -> Iterator[tuple[str, torc
         if tuple(t.shape) != expected[name]:
             raise WeightsError(f"compat weights: {name} has shape {list(t.shape)}, expected {list(expected[name])}; "
                                f"{_HINT}")
-    return iter(hf_names_of_titan(_split_to_titan(compat_part, model_args), model_args).items())
+    moe, rest = _split_off_experts(compat_part, expected_compat_expert_shapes(model_args))
+    hf = hf_names_of_titan(_split_to_titan(rest, model_args), model_args)
+    hf.update(compat_experts_to_hf(moe, model_args))
+    return iter(hf.items())
 
 
 def read_compat(model_dir: str | Path | ModelDir, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -186,6 +268,6 @@ def load_model(model_dir: str | Path | ModelDir, device="cpu", dtype=torch.float
     compat_sd = read_compat(checkpoint)
     with torch.device("meta"):
         model = Qwen3VLLMCompatModel(checkpoint.args, backend="reference")
-    model.backend = select_backend(backend, device) if isinstance(backend, str) else backend
+    model.backend = select_backend(backend, device, checkpoint.args) if isinstance(backend, str) else backend
     model.load_state_dict(compat_sd, strict=True, assign=True)
     return model.to(device=device, dtype=dtype)

@@ -14,7 +14,8 @@ import torch
 
 from spirl.numerics.samples import Sample
 from spirl.engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngineConfig
-from spirl.numerics.parity import RAW, ParityReport, SamplingDist, compare_logprobs, logprob_dist, sampled_logprobs
+from spirl.numerics.parity import (RAW, ParityReport, SamplingDist, compare_logprobs, compare_routes, logprob_dist,
+                                   sampled_logprobs_and_routes)
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +80,11 @@ class ParityHarness:
             logprobs_mode=VLLM_LOGPROBS_MODE[cfg.logprobs], max_num_seqs=cfg.max_num_seqs))
         backend = cfg.backend
         if backend == "vllm":
-            from torchtitan_compat.vllm_ops import VLLMBackend
+            from torchtitan_compat.config import ModelDir
+            from torchtitan_compat.vllm_ops import VLLMBackend, vllm_runner
 
-            backend = VLLMBackend(require_batch_invariant=not cfg.allow_batch_variant)
+            backend = VLLMBackend(require_batch_invariant=not cfg.allow_batch_variant,
+                                  sampler=vllm_runner(ModelDir.read(cfg.model_dir).args))
         self.model = load_model(cfg.model_dir, device="cuda", dtype=torch.bfloat16,
                                 backend=backend).eval()
         if cfg.swap_op:
@@ -101,20 +104,36 @@ class ParityHarness:
         return logprob_dist(self.cfg.logprobs, temperature, min_p)
 
     @torch.no_grad()
-    def trainer_logprobs(self, samples: list[Sample], dist: SamplingDist = RAW) -> list[torch.Tensor]:
+    def trainer_logprobs(self, samples: list[Sample], dist: SamplingDist = RAW, routes: list | None = None
+                         ) -> list[torch.Tensor]:
+        """The trainer's logprobs of `samples`, in packed forwards of at most max_packed_tokens tokens; `routes`
+        (Qwen3-MoE): a list that gets each sample's expert ids."""
         out, chunk, size = [], [], 0
         for s in samples:
             if chunk and size + len(s.ids) > self.cfg.max_packed_tokens:
-                out += sampled_logprobs(self.model, chunk, "cuda", dist)
+                out += self._forward(chunk, dist, routes)
                 chunk, size = [], 0
             chunk.append(s)
             size += len(s.ids)
         if chunk:
-            out += sampled_logprobs(self.model, chunk, "cuda", dist)
+            out += self._forward(chunk, dist, routes)
         return [t.cpu() for t in out]
+
+    def _forward(self, chunk, dist, routes):
+        lps, chunk_routes = sampled_logprobs_and_routes(self.model, chunk, "cuda", dist)
+        if routes is not None and chunk_routes is not None:
+            routes.extend(chunk_routes)
+        return lps
 
     def compare(self, samples: list[Sample], temperature: float = 1.0, min_p: float = 0.0
                 ) -> tuple[ParityReport, list[torch.Tensor]]:
-        """Engine vs trainer logprobs of samples drawn with `temperature` and `min_p`."""
-        trainer = self.trainer_logprobs(samples, self.dist(temperature, min_p))
-        return compare_logprobs([s.logprobs for s in samples], trainer), trainer
+        """Engine vs trainer logprobs of samples drawn with `temperature` and `min_p`; Qwen3-MoE: the experts of
+        every token and sparse layer too (`report.routes`)."""
+        routes = []
+        trainer = self.trainer_logprobs(samples, self.dist(temperature, min_p), routes)
+        report = compare_logprobs([s.logprobs for s in samples], trainer)
+        args = self.model.args
+        if getattr(args, "sparse_layers", ()):
+            report.routes = compare_routes([s.routes for s in samples], routes, tuple(args.sparse_layers),
+                                           args.moe_args.num_experts)
+        return report, trainer

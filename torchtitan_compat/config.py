@@ -11,8 +11,13 @@ parsed config. Two kinds of config.json exist: transformers 4.x writes a top-lev
 
 What the model cannot compute exactly is refused with a one-line `ConfigError`: any RoPE other
 than plain RoPE, sliding-window or chunked attention, attention bias, mixture of experts,
-quantized weights, an activation other than SiLU. So are the fields whose default differs
-between transformers and vLLM (`_NO_SHARED_DEFAULT`) when config.json leaves them out.
+quantized weights, an activation other than SiLU, shared experts. So are the fields whose default
+differs between transformers and vLLM (`_NO_SHARED_DEFAULT`) when config.json leaves them out.
+
+Qwen3-MoE (`model_type: qwen3_moe`) is read by transformers' `Qwen3MoeConfig` the same way; its
+args are `MoEModelArgs`: torchtitan's own MoE fields (`moe_enabled`, `moe_inter_dim`, `moe_args`,
+as torchtitan's 30B-A3B entry sets them) plus which layers are sparse (`decoder_sparse_step`,
+`mlp_only_layers`, the rule transformers and vLLM share) and `router_aux_loss_coef`.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3 import Qwen3ModelArgs
-from transformers import Qwen3Config
+from transformers import Qwen3Config, Qwen3MoeConfig
 
 QWEN3_VOCAB_SIZE = 151936
 """Rows of Qwen3's embedding (the tokenizer uses 151669 of them; the rest is padding)."""
@@ -67,6 +73,18 @@ SHAPES: dict[str, dict] = {
         hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
         num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
     ),
+    # Qwen3-MoE. The CPU test shape: 8 experts, top-2, layer 0 dense through mlp_only_layers
+    "tiny-moe": dict(
+        _moe=True, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0],
+    ),
+    # Qwen/Qwen3-30B-A3B's config.json (30.5B parameters, 3.3B active, as its model card says)
+    "Qwen3-30B-A3B": dict(
+        _moe=True, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
 }
 
 _COMMON = dict(
@@ -76,6 +94,9 @@ _COMMON = dict(
     rope_theta=1000000, sliding_window=None, use_cache=True, use_sliding_window=False,
     vocab_size=QWEN3_VOCAB_SIZE, torch_dtype="bfloat16",
 )
+
+_MOE_COMMON = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", output_router_logits=False,
+                   router_aux_loss_coef=0.001, max_window_layers=48)
 
 _SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 """Required although transformers has defaults for them: those are placeholder sizes (hidden 4096,
@@ -90,17 +111,16 @@ other field the model depends on has one default in both (transformers' Qwen3Con
 5.x, read as-is by vLLM): num_key_value_heads 32, rms_norm_eps 1e-6, tie_word_embeddings false,
 hidden_act silu, attention_bias false, max_position_embeddings 32768 (rope table length only)."""
 
-_MOE = "mixture of experts; use a dense Qwen3 checkpoint"
+_MOE = "mixture of experts needs model_type qwen3_moe"
 _QUANTIZED = "quantized weights; use an unquantized checkpoint"
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+"""Required in a qwen3_moe config.json: transformers' defaults (128, 8, 768) are placeholder sizes."""
+
 _MUST_BE_UNSET = {
     "quantization_config": _QUANTIZED,
     "compression_config": _QUANTIZED,
-    "num_experts": _MOE,
-    "num_experts_per_tok": _MOE,
-    "moe_intermediate_size": _MOE,
-    "shared_expert_intermediate_size": _MOE,
-    "num_local_experts": _MOE,
-    "n_routed_experts": _MOE,
+    "shared_expert_intermediate_size": "shared experts are not part of Qwen3-MoE (transformers has none); remove it",
+    "n_routed_experts": "DeepSeek-style routed experts are not Qwen3-MoE; remove it",
     "dual_chunk_attention_config": "dual-chunk attention is not supported; remove it",
     "attention_chunk_size": "chunked local attention is not supported; remove it",
 }
@@ -122,11 +142,17 @@ class ConfigError(ValueError):
     """A checkpoint's config.json is not a dense Qwen3 config this project supports."""
 
 
+_DENSE_ONLY = {"num_experts": _MOE, "num_experts_per_tok": _MOE, "moe_intermediate_size": _MOE,
+               "num_local_experts": _MOE}
+"""Refused in a dense (`qwen3`) config.json."""
+
+
 def hf_config_for_shape(shape: str, num_layers: int | None = None) -> dict:
     """The complete HF `config.json` dict for a named shape (optionally with fewer layers)."""
     if shape not in SHAPES:
         raise ConfigError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
-    cfg = {**_COMMON, **SHAPES[shape]}
+    spec = dict(SHAPES[shape])
+    cfg = {**_COMMON, **(_MOE_COMMON if spec.pop("_moe", False) else {}), **spec}
     if num_layers is not None:
         if num_layers < 1:
             raise ConfigError(f"num_layers must be >= 1, got {num_layers}")
@@ -141,23 +167,36 @@ def _short(value) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
+_MODEL_TYPES = {"qwen3": ("Qwen3ForCausalLM", Qwen3Config), "qwen3_moe": ("Qwen3MoeForCausalLM", Qwen3MoeConfig)}
+"""model_type -> (the one architecture vLLM picks its model class by, transformers' config class)."""
+
+
+def is_moe_config(cfg: dict) -> bool:
+    return cfg.get("model_type") == "qwen3_moe"
+
+
 def _check_raw(cfg: dict) -> None:
     """Refusals decided on config.json as written, before transformers fills in defaults."""
-    if cfg.get("model_type") != "qwen3":
-        raise ConfigError(
-            f"config.json has model_type={cfg.get('model_type')!r}; only dense 'qwen3' is supported"
-        )
-    archs, causal_lm = cfg.get("architectures"), ["Qwen3ForCausalLM"]  # vLLM picks its model class by this
+    model_type = cfg.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise ConfigError(f"config.json has model_type={model_type!r}; only 'qwen3' (dense) and 'qwen3_moe' "
+                          "are supported")
+    archs, causal_lm = cfg.get("architectures"), [_MODEL_TYPES[model_type][0]]
     if archs not in (None, causal_lm):
-        raise ConfigError(f"config.json has architectures={_short(archs)}; only {_short(causal_lm)} is supported")
-    missing = [k for k in _SHAPE_FIELDS if cfg.get(k) is None]
+        raise ConfigError(f"config.json has architectures={_short(archs)}; only {_short(causal_lm)} is supported "
+                          f"for model_type {model_type}")
+    required = _SHAPE_FIELDS + (_MOE_FIELDS if is_moe_config(cfg) else ())
+    if is_moe_config(cfg) and cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
+        required = tuple(k for k in required if k != "num_experts")  # transformers' alias of num_experts
+    missing = [k for k in required if cfg.get(k) is None]
     if missing:
         raise ConfigError(f"config.json lacks {', '.join(missing)}; set it explicitly")
     if cfg.get("head_dim") is None:
         raise ConfigError(f"config.json lacks head_dim ({_NO_SHARED_DEFAULT['head_dim']}); set it explicitly")
-    for field, why in _MUST_BE_UNSET.items():
-        if cfg.get(field) not in (None, 0, False, {}, []):
-            raise ConfigError(f"config.json sets {field}={_short(cfg[field])}: {why}")
+    refused = {**_MUST_BE_UNSET, **({} if is_moe_config(cfg) else _DENSE_ONLY)}
+    for name, why in refused.items():
+        if cfg.get(name) not in (None, 0, False, {}, []):
+            raise ConfigError(f"config.json sets {name}={_short(cfg[name])}: {why}")
     _check_rope(cfg)
 
 
@@ -197,11 +236,12 @@ def _check_rope(cfg: dict) -> None:
                           "keep one")
 
 
-def parse_hf_config(cfg: dict) -> Qwen3Config:
-    """transformers' `Qwen3Config` of a config.json dict, after the refusals of `_check_raw`."""
+def parse_hf_config(cfg: dict) -> Qwen3Config | Qwen3MoeConfig:
+    """transformers' `Qwen3Config` (or `Qwen3MoeConfig`) of a config.json dict, after the refusals of
+    `_check_raw`."""
     _check_raw(cfg)
     try:  # the parser normalizes nested dicts in place: give it a copy
-        hf = Qwen3Config.from_dict(copy.deepcopy(cfg))
+        hf = _MODEL_TYPES[cfg["model_type"]][1].from_dict(copy.deepcopy(cfg))
     except Exception as e:  # noqa: BLE001 - strict-dataclass validation errors are not ValueErrors
         raise ConfigError(f"transformers cannot parse config.json: {' '.join(str(e).split())[:200]}") from None
     for field, (only, why) in _ONLY_VALUE.items():
@@ -217,7 +257,44 @@ def parse_hf_config(cfg: dict) -> Qwen3Config:
         default = "" if "num_key_value_heads" in cfg else " (transformers' default; set it explicitly)"
         raise ConfigError(f"num_attention_heads={hf.num_attention_heads} is not a multiple of "
                           f"num_key_value_heads={hf.num_key_value_heads}{default}")
+    if is_moe_config(cfg):
+        _check_moe(hf)
     return hf
+
+
+def _positive_int(hf, name: str) -> int:
+    value = getattr(hf, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"config.json has {name}={_short(value)}; it must be a positive integer")
+    return value
+
+
+def _check_moe(hf: Qwen3MoeConfig) -> None:
+    """What a Qwen3-MoE config must hold for the sparse layers to be computed as vLLM computes them."""
+    experts, top_k = _positive_int(hf, "num_experts"), _positive_int(hf, "num_experts_per_tok")
+    _positive_int(hf, "moe_intermediate_size")
+    _positive_int(hf, "decoder_sparse_step")
+    if top_k > experts:
+        raise ConfigError(f"config.json has num_experts_per_tok={top_k} > num_experts={experts}; a token cannot "
+                          "take more experts than there are")
+    only = hf.mlp_only_layers
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise ConfigError(f"config.json has mlp_only_layers={_short(only)}; it must be a list of layer indices")
+    outside = [i for i in only if not 0 <= i < hf.num_hidden_layers]
+    if outside:
+        raise ConfigError(f"config.json has mlp_only_layers={_short(only)}: layer {outside[0]} is not one of the "
+                          f"{hf.num_hidden_layers} layers (0..{hf.num_hidden_layers - 1})")
+    if not isinstance(hf.norm_topk_prob, bool):
+        raise ConfigError(f"config.json has norm_topk_prob={_short(hf.norm_topk_prob)}; it must be true or false")
+    coef = hf.router_aux_loss_coef
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+        raise ConfigError(f"config.json has router_aux_loss_coef={_short(coef)}; it must be a number >= 0")
+
+
+def sparse_layer_ids(n_layers: int, decoder_sparse_step: int, mlp_only_layers) -> tuple[int, ...]:
+    """Layers with experts: not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0, the rule of
+    transformers' and vLLM's Qwen3-MoE."""
+    return tuple(i for i in range(n_layers) if i not in set(mlp_only_layers) and (i + 1) % decoder_sparse_step == 0)
 
 
 def _rope_theta(hf: Qwen3Config) -> float:
@@ -226,10 +303,39 @@ def _rope_theta(hf: Qwen3Config) -> float:
     return float(params.get("rope_theta", getattr(hf, "rope_theta", None)))
 
 
+@dataclass
+class MoEModelArgs(Qwen3ModelArgs):
+    """torchtitan's Qwen3 args for Qwen3-MoE (`moe_enabled`, `moe_inter_dim`, `moe_args` as torchtitan's own
+    30B-A3B entry sets them) and what transformers' config adds to them."""
+
+    sparse_layers: tuple[int, ...] = ()
+    """Layers with a router and experts; the others have the dense MLP of width `hidden_dim`."""
+    router_aux_loss_coef: float = 0.0
+    """The config's load-balancing loss weight (transformers adds it to the loss only when asked;
+    `--router-aux-loss` in SPIRL)."""
+
+
+def is_moe(model_args) -> bool:
+    """True for Qwen3-MoE args (some layer has experts)."""
+    return bool(getattr(model_args, "sparse_layers", ()))
+
+
 def model_args_from_hf_config(cfg: dict) -> Qwen3ModelArgs:
     """torchtitan args from an HF Qwen3 config dict; raises ConfigError on anything unsupported."""
     hf = parse_hf_config(cfg)
-    return Qwen3ModelArgs(
+    dense = _dense_args(hf)
+    if not is_moe_config(cfg):
+        return Qwen3ModelArgs(**dense)
+    sparse = sparse_layer_ids(hf.num_hidden_layers, hf.decoder_sparse_step, hf.mlp_only_layers)
+    moe = MoEArgs(num_experts=hf.num_experts, num_shared_experts=0, top_k=hf.num_experts_per_tok,
+                  score_func="softmax", route_norm=hf.norm_topk_prob, route_scale=1.0, score_before_experts=False,
+                  load_balance_coeff=None)
+    return MoEModelArgs(**dense, moe_enabled=bool(sparse), moe_inter_dim=hf.moe_intermediate_size, moe_args=moe,
+                        sparse_layers=sparse, router_aux_loss_coef=float(hf.router_aux_loss_coef))
+
+
+def _dense_args(hf) -> dict:
+    return dict(
         dim=hf.hidden_size,
         n_layers=hf.num_hidden_layers,
         n_heads=hf.num_attention_heads,

@@ -102,6 +102,10 @@ def check_spec(spec: LoRASpec, args) -> None:
         raise LoRAError(f"LoRA rank must be >= 1, got {spec.rank}")
     if not spec.targets:
         raise LoRAError("LoRA needs at least one target module")
+    mlp = [t for t in spec.targets if t in GROUPS["mlp"]]
+    if mlp and getattr(args, "sparse_layers", ()):
+        raise LoRAError(f"LoRA on a Qwen3-MoE's MLP ({', '.join(mlp)}: its experts) is not supported; pass "
+                        "--lora-targets attn (or attn,lm_head)")
     shapes = target_shapes(args)
     smallest = min(spec.targets, key=lambda t: min(shapes[t]))
     if spec.rank > min(shapes[smallest]):

@@ -1,7 +1,7 @@
 """Qwen3VLLMCompatModel: torchtitan's Qwen3, laid out and computed the way vLLM computes it.
 
 Same math as torchtitan's `Qwen3Model` (pre-norm decoder, q/k RMSNorm per head, neox RoPE, GQA,
-SwiGLU MLP, tied or untied embeddings), with vLLM's merged projections (`qkv_proj` =
+SwiGLU MLP, tied or untied embeddings; Qwen3-MoE's sparse layers from `moe.py`), with vLLM's merged projections (`qkv_proj` =
 [wq; wk; wv], `gate_up_proj` = [w1; w3]) so that every matmul has the very shape vLLM runs, and
 every op routed through a kernel backend (`ops.py`) wrapped with a backward
 (`batch_invariant_backward.py`). LoRA (`lora.py`) swaps adapted projections for `LoRALinear`s,
@@ -24,6 +24,7 @@ from torchtitan.models.qwen3 import Qwen3ModelArgs
 import batch_invariant_backward as bib
 
 from .lora import LoRALinear
+from .moe import MoE
 from .ops import select_backend
 
 
@@ -36,6 +37,8 @@ class Packed:
     max_seqlen: int
     rope_cache: torch.Tensor  # [max_positions, head_dim] = [cos | sin]
     backend: object
+    routes: dict | None = None  # sparse layer id -> int32 [T, k] expert ids, filled when asked for
+    router_logits: dict | None = None  # sparse layer id -> [T, E] router logits, filled when asked for
 
 
 class Norm(nn.Module):
@@ -91,16 +94,22 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: Qwen3ModelArgs):
+    """Attention, then the dense MLP (`feed_forward`) or, in a Qwen3-MoE sparse layer, the experts (`moe`)."""
+
+    def __init__(self, a: Qwen3ModelArgs, layer_id: int):
         super().__init__()
         self.attention_norm = Norm(a.dim, a.norm_eps)
         self.attention = Attention(a)
         self.ffn_norm = Norm(a.dim, a.norm_eps)
-        self.feed_forward = FeedForward(a)
+        if layer_id in getattr(a, "sparse_layers", ()):
+            self.moe = MoE(a, layer_id, Linear)
+        else:
+            self.feed_forward = FeedForward(a)
 
     def forward(self, h: torch.Tensor, p: Packed) -> torch.Tensor:
         h = h + self.attention(self.attention_norm(h, p), p)
-        return h + self.feed_forward(self.ffn_norm(h, p), p)
+        mlp = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + mlp(self.ffn_norm(h, p), p)
 
 
 class Qwen3VLLMCompatModel(nn.Module):
@@ -109,10 +118,10 @@ class Qwen3VLLMCompatModel(nn.Module):
     def __init__(self, model_args: Qwen3ModelArgs, backend: str | object = "auto"):
         super().__init__()
         self.args = model_args
-        self.backend = select_backend(backend) if isinstance(backend, str) else backend
+        self.backend = select_backend(backend, model_args=model_args) if isinstance(backend, str) else backend
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
         nn.init.normal_(self.tok_embeddings.weight, std=0.02)
-        self.layers = nn.ModuleList(DecoderLayer(model_args) for _ in range(model_args.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(model_args, i) for i in range(model_args.n_layers))
         self.norm = Norm(model_args.dim, model_args.norm_eps)
         self.output = None if model_args.enable_weight_tying else Linear(model_args.dim, model_args.vocab_size)
         self._rope_cache: torch.Tensor | None = None
@@ -136,14 +145,17 @@ class Qwen3VLLMCompatModel(nn.Module):
             self._rope_cache = c
         return c
 
-    def packed(self, positions, cu_seqlens, max_seqlen=None, like=None) -> Packed:
+    def packed(self, positions, cu_seqlens, max_seqlen=None, like=None, routes=None, router_logits=None) -> Packed:
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return Packed(positions, cu_seqlens, max_seqlen, self.rope_cache(like), self.backend)
+        return Packed(positions, cu_seqlens, max_seqlen, self.rope_cache(like), self.backend, routes, router_logits)
 
-    def hidden_states(self, tokens, positions, cu_seqlens, max_seqlen=None) -> torch.Tensor:
+    def hidden_states(self, tokens, positions, cu_seqlens, max_seqlen=None, routes=None,
+                      router_logits=None) -> torch.Tensor:
+        """The final norm's output [T, D]. `routes` / `router_logits`: dicts that each sparse layer fills
+        with its expert ids int32 [T, k] / its router logits [T, E] (Qwen3-MoE; parity, the aux loss)."""
         h = self.tok_embeddings(tokens)
-        p = self.packed(positions, cu_seqlens, max_seqlen, like=h)
+        p = self.packed(positions, cu_seqlens, max_seqlen, like=h, routes=routes, router_logits=router_logits)
         checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
             h = checkpoint(layer, h, p, use_reentrant=False) if checkpointing else layer(h, p)
@@ -156,11 +168,12 @@ class Qwen3VLLMCompatModel(nn.Module):
         return bib.linear(h, self.output_weight(), self.backend)
 
     def token_logprobs(self, tokens, positions, cu_seqlens, max_seqlen, rows, targets, temperature=1.0,
-                       min_p=0.0, entropy=False):
+                       min_p=0.0, entropy=False, routes=None):
         """float32 logprob of targets[i] under row rows[i]'s distribution (logits / temperature, then
         min-p), and its entropy when asked: ([N], [N] or None). Only the selected rows go through
         lm_head (every op after the decoder is row-wise, so selecting first changes no bits). One
-        call is one forward, so a sharded model (FSDP2) gathers its weights for it as for forward."""
-        h = self.hidden_states(tokens, positions, cu_seqlens, max_seqlen)[rows]
+        call is one forward, so a sharded model (FSDP2) gathers its weights for it as for forward.
+        `routes`: a dict the sparse layers fill with their expert ids (see hidden_states)."""
+        h = self.hidden_states(tokens, positions, cu_seqlens, max_seqlen, routes=routes)[rows]
         return bib.lm_head_logprobs(h, self.output_weight(), targets, self.backend, temperature, min_p,
                                     entropy=entropy, lora=self.head_lora())

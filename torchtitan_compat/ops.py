@@ -77,6 +77,42 @@ class ReferenceBackend:
     def attention(self, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
         return ref_attention.varlen_causal_attention(q, k, v, cu_seqlens, scale)
 
+    def moe_route(self, z: torch.Tensor, top_k: int, renormalize: bool):
+        """vLLM's topk_softmax: p = softmax(z) in the compute dtype; the top_k largest, ties to the lower expert
+        index, slots by descending p (a stable sort); renormalized: w = p * (1 / S), S summed in slot order.
+        Returns (w [T, k] in the compute dtype, ids int32 [T, k])."""
+        p = torch.softmax(z.to(compute_dtype(z.dtype)), -1)
+        ids = torch.sort(-p, dim=-1, stable=True).indices[:, :top_k]
+        w = p.gather(-1, ids)
+        if renormalize:
+            s = w[:, 0]
+            for j in range(1, top_k):
+                s = s + w[:, j]
+            w = w * (1.0 / s)[:, None]
+        return w, ids.to(torch.int32)
+
+    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
+        """(y [T, D], c1 [T*k, 2I]) of the sparse block (torchtitan_compat/moe.py): each GEMM in the compute dtype
+        then rounded once, the routing weight applied before the down GEMM's rounding, slots summed in order."""
+        t, k = ids.shape
+        cdt = compute_dtype(x.dtype)
+        flat = ids.reshape(-1).long()
+        c1 = torch.empty((t * k, w13.shape[1]), dtype=x.dtype, device=x.device)
+        c3 = torch.empty((t * k, w2.shape[1]), dtype=x.dtype, device=x.device)
+        for e in flat.unique().tolist():
+            rows = (flat == e).nonzero()[:, 0]
+            c1[rows] = (x[rows // k].to(cdt) @ w13[e].to(cdt).t()).to(x.dtype)
+        c2 = self.silu_and_mul(c1)
+        wf = w.reshape(-1).to(cdt)
+        for e in flat.unique().tolist():
+            rows = (flat == e).nonzero()[:, 0]
+            c3[rows] = ((c2[rows].to(cdt) @ w2[e].to(cdt).t()) * wf[rows, None]).to(x.dtype)
+        c3 = c3.view(t, k, -1)
+        y = c3[:, 0].to(cdt)
+        for j in range(1, k):
+            y = y + c3[:, j].to(cdt)
+        return y.to(x.dtype), c1
+
     def token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """float32 log softmax(logits)[t, ids[t]] (float64 for float64 logits)."""
         z = logits if logits.dtype == torch.float64 else logits.float()
@@ -111,8 +147,9 @@ def vllm_available() -> bool:
     return True
 
 
-def select_backend(name: str = "auto", device: torch.device | str | None = None):
-    """Return the kernel backend `name` for `device`, logging which one is in use."""
+def select_backend(name: str = "auto", device: torch.device | str | None = None, model_args=None):
+    """Return the kernel backend `name` for `device`, logging which one is in use. `model_args`: the model's, so that
+    the vllm backend computes logprobs as the sampler of the runner vLLM gives that model (`vllm_ops.vllm_runner`)."""
     if name not in BACKEND_NAMES:
         raise BackendError(f"unknown kernel backend {name!r}; choose one of {BACKEND_NAMES}")
     on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
@@ -127,9 +164,9 @@ def select_backend(name: str = "auto", device: torch.device | str | None = None)
                 "or pass backend='reference' to run plain PyTorch ops (no parity with vLLM)"
             )
     if name == "vllm":
-        from .vllm_ops import VLLMBackend
+        from .vllm_ops import VLLMBackend, vllm_runner
 
-        backend = VLLMBackend()
+        backend = VLLMBackend(sampler=vllm_runner(model_args))
     else:
         backend = ReferenceBackend()
     log.info("kernel backend: %s (device=%s)", backend.name, "cuda" if on_cuda else "cpu")

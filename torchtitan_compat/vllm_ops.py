@@ -12,6 +12,10 @@ docs/vllm-0.26-forward-path.md):
     q/k RMSNorm + rotary (Qwen3)           kernels.qk_norm_rope (Triton; the two ops above in one
                                             pass, bit for bit; the trainer's only, vLLM runs two)
     attention                              FlashAttention 3 varlen, num_splits=1
+    MoE routing (Qwen3-MoE)                torch.ops._moe_C.topk_softmax (CUDA; vLLM's fused_topk)
+    MoE experts                            fused_moe_kernel (Triton, the fixed batch-invariant config) for the
+                                            gate/up and down GEMMs, _C.silu_and_mul, _moe_C.moe_sum: vLLM's
+                                            fused_experts unrolled to keep the gate/up output for the backward
     sampled-token logprob                  vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs
                                             (Triton; NOT torch.log_softmax, which differs by ~1e-6)
     temperature, min-p (processed logprobs) vllm.v1.worker.gpu.sample.gumbel.apply_temperature,
@@ -27,12 +31,34 @@ import torch
 from .backend_base import BackendError, batch_invariant_env_enabled, norm_then_rotary
 
 PINNED_VLLM_VERSION = "0.26.0"
+SAMPLERS = ("v1", "v2")
+BATCH_INVARIANT_MOE_CONFIG = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8,
+                              "SPLIT_K": 1}
+"""The one fused-MoE Triton config vLLM 0.26.0 uses for every token count in batch-invariant mode
+(`fused_moe.get_default_config`). Pinned here so that the trainer computes it even in a process without
+batch-invariant mode (the `--allow-batch-variant` comparison); tests/gpu/test_moe_ops.py checks it is vLLM's."""
+
+
+def vllm_runner(model_args) -> str:
+    """The model runner vLLM 0.26.0 gives a model by default (`VllmConfig.use_v2_model_runner`): V2 for dense Qwen3,
+    V1 for Qwen3-MoE (a mixture of experts not in its V2 list; V1 is also the one that returns routed experts)."""
+    return "v1" if getattr(model_args, "sparse_layers", ()) else "v2"
+
+
+def _v1_sampling_logits(logits: torch.Tensor, temperature: float, min_p: float) -> torch.Tensor:
+    if min_p > 0.0:
+        raise BackendError("min-p with vLLM's V1 sampler (Qwen3-MoE) is not reproduced by the trainer; use --min-p 0")
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / torch.full((1, 1), temperature, dtype=torch.float32, device=z.device)
+    return z
 
 
 class VLLMBackend:
     name = "vllm"
 
-    def __init__(self, require_batch_invariant: bool = True):
+    def __init__(self, require_batch_invariant: bool = True, sampler: str = "v2"):
+        """`sampler`: the vLLM model runner whose sampler computes the engine's logprobs (`vllm_runner`)."""
         if require_batch_invariant and not batch_invariant_env_enabled():
             raise BackendError("the vllm kernel backend needs VLLM_BATCH_INVARIANT=1 in the "
                                "environment before vllm is imported (run: VLLM_BATCH_INVARIANT=1 ...)")
@@ -51,6 +77,13 @@ class VLLMBackend:
         from kernels.gemm import matmul
         from kernels.qk_norm_rope import fusable, norm_rope_qk
 
+        if sampler not in SAMPLERS:
+            raise BackendError(f"unknown vLLM sampler {sampler!r}; choose one of {SAMPLERS}")
+        self.sampler = sampler
+        if sampler == "v1":
+            from vllm.model_executor.layers.batch_invariant import log_softmax
+
+            self._log_softmax = log_softmax
         self._linear = matmul
         self._qk_fusable, self._norm_rope_qk = fusable, norm_rope_qk
         self._rms_norm = rms_norm_batch_invariant
@@ -100,12 +133,48 @@ class VLLMBackend:
             num_splits=1, fa_version=3, return_softmax_lse=True)
         return out, lse
 
+    def moe_route(self, z: torch.Tensor, top_k: int, renormalize: bool):
+        """vLLM's fused_topk over bf16 router logits: (w float32 [T, k], ids int32 [T, k])."""
+        fused_topk = _moe_module("router.fused_topk_router").fused_topk
+        w, ids, _ = fused_topk(z, z, top_k, renormalize)
+        return w, ids
+
+    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
+        """(y [T, D], c1 [T*k, 2I]): vLLM's `fused_experts` as its Triton experts run it in batch-invariant mode
+        (the fixed 64x64x32 config for every token count), unrolled to return the gate/up output."""
+        from vllm.triton_utils import tl
+
+        fm = _moe_module("fused_moe")
+        t, k = ids.shape
+        e, n2, d = w13.shape
+        cfg = dict(BATCH_INVARIANT_MOE_CONFIG)  # the kernel pops keys from it
+        sorted_ids, expert_ids, padded = fm._prepare_expert_assignment(ids, cfg, t, k, e, None,
+                                                                       ignore_invalid_experts=True)
+        c1 = torch.empty((t, k, n2), dtype=x.dtype, device=x.device)
+        c3 = torch.empty((t, k, d), dtype=x.dtype, device=x.device)
+        flags = dict(compute_type=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, use_fp8_w8a8=False,
+                     use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=False)
+        fm.invoke_fused_moe_triton_kernel(x, w13, c1, None, None, None, sorted_ids, expert_ids, padded, False, k,
+                                          cfg, **flags)
+        c2 = self.silu_and_mul(c1.view(t * k, n2))
+        fm.invoke_fused_moe_triton_kernel(c2, w2, c3, None, None, w, sorted_ids, expert_ids, padded, True, 1,
+                                          cfg, **flags)
+        y = torch.empty_like(x)
+        torch.ops._moe_C.moe_sum(c3, y, None, None)
+        return y, c1.view(t * k, n2)
+
     def token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.sampler == "v1":  # V1's Sampler.compute_logprobs: log_softmax(dtype=float32), which batch-invariant
+            # mode sends to this Triton kernel
+            return self._log_softmax(logits.float(), -1).gather(-1, ids.view(-1, 1))[:, 0]
         return self._token_logprobs(logits, ids.view(-1, 1))[:, 0]
 
     def sampling_logits(self, logits: torch.Tensor, temperature: float, min_p: float) -> torch.Tensor:
         """vLLM's own in-place temperature and min-p kernels, on a copy (every row reads request 0
-        of a one-request parameter table)."""
+        of a one-request parameter table). V1's sampler: float32 logits divided by a float32 temperature
+        tensor (`Sampler.apply_temperature`, a true division, not torch's multiply by a scalar's reciprocal)."""
+        if self.sampler == "v1":
+            return _v1_sampling_logits(logits, temperature, min_p)
         if temperature == 1.0 and min_p == 0.0:
             return logits
         z = logits.clone()
@@ -115,3 +184,15 @@ class VLLMBackend:
         if min_p > 0.0:
             self._apply_min_p(z, rows, torch.tensor([min_p], dtype=torch.float32, device=z.device))
         return z
+
+
+def _moe_module(name: str):
+    """vllm.model_executor.layers.fused_moe.<name>, after loading vLLM's fused-MoE extension (_moe_C)."""
+    import importlib
+
+    try:
+        import vllm._moe_C_stable_libtorch  # noqa: F401  (registers torch.ops._moe_C.*)
+    except ImportError as e:
+        raise BackendError(f"vLLM's fused-MoE extension (vllm._moe_C) does not load ({e}); Qwen3-MoE needs the "
+                           "complete vLLM 0.26.0 wheel") from None
+    return importlib.import_module(f"vllm.model_executor.layers.fused_moe.{name}")

@@ -222,7 +222,7 @@ def _frozen_model(args, weights: dict, spec: PolicySpec, device: torch.device):
 
     with torch.device("meta"):
         compute = Qwen3VLLMCompatModel(args, backend="reference")
-    compute.backend = select_backend(spec.backend, device)
+    compute.backend = select_backend(spec.backend, device, args)
     compute.load_state_dict(weights, strict=True, assign=True)
     compute.requires_grad_(False)
     compute.activation_checkpointing = spec.activation_checkpointing

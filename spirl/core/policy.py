@@ -104,7 +104,7 @@ def build_policy(model: ModelDir, spec: PolicySpec, device: torch.device, world:
 
     world = world or World(device=device)
     dtype = getattr(torch, spec.dtype)
-    backend = select_backend(spec.backend, device)
+    backend = select_backend(spec.backend, device, model.args)
     fp32 = load_model(model, device="cpu" if world.sharded else device, dtype=torch.float32, backend=backend)
     fp32.activation_checkpointing = spec.activation_checkpointing
     if world.sharded:

@@ -7,8 +7,8 @@ weights -> same samples.
 
 Logprobs: a KV-cache decode does not compute the same float operations as the trainer's packed
 full-sequence forward (different matmul shapes and attention splits), so its logprobs are not
-bitwise equal to the trainer's in general. The reported logprob of each sampled token is
-therefore *re-scored* after sampling with `spirl.numerics.parity.sampled_logprobs`, the very packed
+bitwise equal to the trainer's in general. The reported logprob of each sampled token (and, for
+Qwen3-MoE, each token's experts) is therefore *re-scored* after sampling with `spirl.numerics.parity.sampled_logprobs`, the very packed
 forward the trainer uses, under the distribution the logprobs mode names (`sampling`: logits / T
 then min-p, as vLLM's processed logprobs; `raw`: the raw logits). The per-step parity check is
 then exact by construction for this engine; it exists to test the plumbing on CPU. The real check
@@ -22,7 +22,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from ..numerics.parity import SamplingDist, every_token_logprobs, logprob_dist, sampled_logprobs
+from ..numerics.parity import SamplingDist, every_token_logprobs, logprob_dist, sampled_logprobs_and_routes
 from ..numerics.samples import Sample
 from .base import Request
 
@@ -86,8 +86,11 @@ class NativeEngine:
         sequences (see the module docstring). Multi-turn rollouts call it on whole trajectories."""
         dist = self.dist(temperature, min_p)
         if not self.one_per_forward:
-            for s, lp in zip(seqs, sampled_logprobs(self.model, seqs, self.device, dist)):
+            lps, routes = sampled_logprobs_and_routes(self.model, seqs, self.device, dist)
+            for i, (s, lp) in enumerate(zip(seqs, lps)):
                 s.logprobs = lp.float().cpu()
+                if routes is not None and hasattr(s, "routes"):  # the same forward's experts (Qwen3-MoE)
+                    s.routes = routes[i]
             return seqs
         for s in seqs:  # alone, and every row (as the Tinker trainer scores a datum), then the sampled ones
             every = every_token_logprobs(self.model, [s.ids], self.device, dist, one_per_forward=True)[0]
@@ -171,10 +174,19 @@ class NativeEngine:
             o = self._attend(i, q, k, v, cache, prefill)
             h = h + be.linear(o, attn.o_proj.weight)
             x = be.rms_norm(h, layer.ffn_norm.weight, layer.ffn_norm.eps)
-            ff = layer.feed_forward
-            h = h + be.linear(be.silu_and_mul(be.linear(x, ff.gate_up_proj.weight)), ff.down_proj.weight)
+            h = h + self._mlp(layer, x)
         h = be.rms_norm(h, m.norm.weight, m.norm.eps)
         return be.linear(h, m.output_weight())
+
+    def _mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """The dense MLP, or a Qwen3-MoE sparse layer's router, top-k and experts (the backend's own ops)."""
+        be = self.model.backend
+        if hasattr(layer, "moe"):
+            moe = layer.moe
+            w, ids = be.moe_route(be.linear(x, moe.router.weight), moe.top_k, moe.renormalize)
+            return be.moe_experts(x, moe.experts.gate_up_proj, moe.experts.down_proj, w, ids)[0]
+        ff = layer.feed_forward
+        return be.linear(be.silu_and_mul(be.linear(x, ff.gate_up_proj.weight)), ff.down_proj.weight)
 
     def _attend(self, i, q, k, v, cache, prefill: bool) -> torch.Tensor:
         a = self.model.args

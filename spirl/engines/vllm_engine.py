@@ -193,6 +193,10 @@ class VLLMEngine:
     def __init__(self, cfg: VLLMEngineConfig):
         prepare_environment(cfg.require_batch_invariant)
         check_model_supported(cfg.model_dir, cfg.model_args)
+        from torchtitan_compat.config import ModelDir
+
+        self.moe = bool(getattr(cfg.model_args or ModelDir.read(cfg.model_dir).args, "sparse_layers", ()))
+        """Qwen3-MoE: vLLM runs it on its V1 model runner, asked to return every token's experts."""
         vllm_patches.apply()
         from vllm import LLM
 
@@ -206,6 +210,7 @@ class VLLMEngine:
                        load_format=cfg.load_format,
                        **({"max_num_seqs": cfg.max_num_seqs} if cfg.max_num_seqs else {}),
                        hf_overrides={"tie_word_embeddings": False} if cfg.untie_lm_head else None,
+                       **({"enable_return_routed_experts": True} if self.moe else {}),
                        **({"distributed_executor_backend": "external_launcher"} if cfg.external_launcher else {}))
         self.asleep = False
         self.start_seconds = time.perf_counter() - t0
@@ -220,7 +225,7 @@ class VLLMEngine:
 
     @property
     def model(self) -> torch.nn.Module:
-        """vLLM's Qwen3ForCausalLM instance (V2 model runner, in-process)."""
+        """vLLM's Qwen3ForCausalLM (V2 model runner) or Qwen3MoeForCausalLM (V1) instance, in-process."""
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
     def prefill_budget(self) -> tuple[int, int]:
@@ -251,19 +256,26 @@ class VLLMEngine:
                 p + "attention.q_norm.weight": attn.q_norm.weight.data,
                 p + "attention.k_norm.weight": attn.k_norm.weight.data,
                 p + "ffn_norm.weight": layer.post_attention_layernorm.weight.data,
-                p + "feed_forward.gate_up_proj.weight": mlp.gate_up_proj.weight.data,
-                p + "feed_forward.down_proj.weight": mlp.down_proj.weight.data,
             })
+            if hasattr(mlp, "gate_up_proj"):
+                out.update({p + "feed_forward.gate_up_proj.weight": mlp.gate_up_proj.weight.data,
+                            p + "feed_forward.down_proj.weight": mlp.down_proj.weight.data})
+            else:  # Qwen3-MoE sparse block: FusedMoE's w13 [E, 2I, D] and w2 [E, D, I] are the trainer's layout
+                params = {k.rsplit(".", 1)[-1]: v.data for k, v in mlp.named_parameters()}
+                out.update({p + "moe.router.weight": mlp.gate.weight.data,
+                            p + "moe.experts.gate_up_proj": params.get("w13_weight"),
+                            p + "moe.experts.down_proj": params.get("w2_weight")})
         out["norm.weight"] = m.norm.weight.data
         if top.lm_head is not m.embed_tokens:
             out["output.weight"] = top.lm_head.weight.data[:v]
         expected = expected_compat_shapes(model_args)
         expected.setdefault("output.weight", (v, model_args.dim))
-        wrong = [k for k, t in out.items() if tuple(t.shape) != tuple(expected[k])]
+        wrong = [k for k, t in out.items() if t is None or tuple(t.shape) != tuple(expected[k])]
         if wrong or len(m.layers) != model_args.n_layers:
             k = wrong[0] if wrong else "layers"
             raise RuntimeError(f"vLLM's Qwen3 weights are not laid out as the trainer's ({k}: "
-                               f"{list(out[k].shape) if wrong else len(m.layers)}); vLLM {PINNED_VLLM_VERSION} is required")
+                               f"{list(getattr(out[k], 'shape', [])) if wrong else len(m.layers)}); vLLM "
+                               f"{PINNED_VLLM_VERSION} is required")
         return out
 
     def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 64,
@@ -357,4 +369,6 @@ def _to_sample(prompt_ids: list[int], completion) -> Sample:
     # vLLM reports float32 values as Python floats: converting back to float32 is exact.
     lps = torch.tensor([step[tok].logprob for step, tok in zip(completion.logprobs, ids)],
                        dtype=torch.float32)
-    return Sample(prompt_ids, ids, lps, completion.finish_reason)
+    routes = getattr(completion, "routed_experts", None)  # Qwen3-MoE: uint8 [prompt + sampled - 1, layers, k]
+    return Sample(prompt_ids, ids, lps, completion.finish_reason,
+                  None if routes is None else torch.from_numpy(routes.copy()))

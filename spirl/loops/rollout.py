@@ -27,7 +27,7 @@ import torch
 
 from ..core.distributed import World, even_slices, shard_of
 from ..core.multiturn import episode_metrics, prompt_seeds, run_episodes
-from ..numerics.parity import ParityReport, check_parity, sampled_logprobs
+from ..numerics.parity import ParityReport, check_parity, sampled_logprobs_and_routes
 from ..tasks.dataset import DatasetError
 from ..tasks.rewards import RewardError, Scored, score
 from .loss import grpo_advantages
@@ -77,9 +77,9 @@ def sample_round(run: Run, step: int, r: int, prompts: list, times: dict) -> Rou
             metas = [meta for _, meta in prompts for _ in range(cfg.group_size)]
             extra, outputs = {}, [s.completion_ids for s in samples]
     with timed(times, "parity"), torch.no_grad():
-        trainer_lps = sampled_logprobs(policy.model, samples, run.device, sampling_dist(cfg))
-        report = check_parity(samples, trainer_lps, step, run.run_dir, engine, policy)
-        del trainer_lps
+        trainer_lps, routes = sampled_logprobs_and_routes(policy.model, samples, run.device, sampling_dist(cfg))
+        report = check_parity(samples, trainer_lps, step, run.run_dir, engine, policy, routes)
+        del trainer_lps, routes
     error, scored = None, None
     with timed(times, "reward"):
         try:
@@ -133,8 +133,9 @@ class Rollout:
 def _merge(a: ParityReport | None, b: ParityReport) -> ParityReport:
     if a is None:
         return b
+    routes = b.routes if a.routes is None else (a.routes if b.routes is None else a.routes.merged(b.routes))
     return ParityReport(a.tokens_compared + b.tokens_compared, a.tokens_different + b.tokens_different,
-                        max(a.max_abs_diff, b.max_abs_diff))
+                        max(a.max_abs_diff, b.max_abs_diff), routes=routes)
 
 
 def collect(run: Run, step: int, times: dict) -> Rollout:

@@ -87,7 +87,20 @@ def step_scalars(run: Run, ro: Rollout) -> dict:
     if world.sharded:
         for r, (c, d) in enumerate(world.gather((ro.report.tokens_compared, ro.report.tokens_different))):
             out[f"parity/rank{r}/tokens_compared"], out[f"parity/rank{r}/tokens_different"] = float(c), float(d)
-    return {**out, **ro.metrics}
+    return {**out, **route_scalars(run, ro.report.routes), **ro.metrics}
+
+
+def route_scalars(run: Run, routes) -> dict:
+    """Qwen3-MoE: parity/routes_compared, parity/router_flips (token x layer pairs whose experts differ from the
+    engine's), parity/routes_different (any slot), and the experts' load per layer, over every rank."""
+    sparse = tuple(getattr(run.policy.model.args, "sparse_layers", ()))
+    if not sparse or routes is None:
+        return {}
+    compared, flips, different = run.world.all_sum([routes.compared, routes.flips, routes.different])
+    load = torch.stack(run.world.gather(routes.load)).sum(0) if run.world.sharded else routes.load
+    loads = type(routes)(compared, different, flips, load=load).load_scalars(sparse)
+    return {"parity/routes_compared": compared, "parity/router_flips": flips, "parity/routes_different": different,
+            **loads}
 
 
 def no_signal(step: int, out: dict) -> str:

@@ -73,13 +73,37 @@ def logprob_dist(mode: str, temperature: float, min_p: float = 0.0) -> SamplingD
     return SamplingDist(temperature, min_p) if mode == "sampling" else RAW
 
 
-def _logprobs(model, seqs, device, dist: SamplingDist, entropy: bool):
-    """One packed forward over every sequence; the logprob (and entropy) of each sampled token."""
+def _logprobs(model, seqs, device, dist: SamplingDist, entropy: bool, routes: list | None = None):
+    """One packed forward over every sequence; the logprob (and entropy) of each sampled token. `routes`: a list
+    that gets each sequence's expert ids (Qwen3-MoE; `_routes_of`)."""
     packed, rows, targets, sizes = pack_sampled(seqs, device)
+    layers = {} if routes is not None else None
     lps, ent = model.token_logprobs(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen,
                                     rows, targets, dist.temperature, dist.min_p,
-                                    entropy=entropy)
+                                    entropy=entropy, routes=layers)
+    if layers:
+        routes.extend(_routes_of(layers, packed.cu_seqlens, model.args.n_layers))
     return list(lps.split(sizes)), (list(ent.split(sizes)) if entropy else None)
+
+
+def _routes_of(layers: dict, cu_seqlens: torch.Tensor, n_layers: int) -> list[torch.Tensor]:
+    """Per sequence, uint8 [len - 1, n_layers, k] expert ids of its tokens but the last (vLLM's routed_experts
+    form: dense layers' rows 0) from each sparse layer's int32 [T, k] ids of the packed batch."""
+    first = next(iter(layers.values()))
+    full = torch.zeros((first.shape[0], n_layers, first.shape[1]), dtype=torch.uint8, device=first.device)
+    for i, ids in layers.items():
+        full[:, i] = ids.to(torch.uint8)
+    full = full.cpu()
+    bounds = cu_seqlens.tolist()
+    return [full[a:b - 1] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def sampled_logprobs_and_routes(model, seqs: list[Sample], device, dist: SamplingDist = RAW):
+    """`sampled_logprobs` (the same forward, so the same bits) and, for Qwen3-MoE, each sequence's expert ids in
+    the engine's form (`Sample.routes`); None for a dense model."""
+    routes = [] if getattr(model.args, "sparse_layers", ()) else None
+    lps = _logprobs(model, seqs, device, dist, entropy=False, routes=routes)[0]
+    return lps, routes
 
 
 def sampled_logprobs(model, seqs: list[Sample], device, dist: SamplingDist = RAW) -> list[torch.Tensor]:
@@ -96,20 +120,92 @@ class ParityReport:
     first_mismatch: tuple[int, int] | None = None
     """(sequence index, index among its sampled tokens) of the first differing token, if any."""
     per_sample_different: list[int] = field(default_factory=list)
+    routes: "RouteReport | None" = None
+    """Qwen3-MoE: the trainer's expert ids against the engine's (None: a dense model, or no routes returned)."""
 
     @property
     def bitwise_identical(self) -> bool:
-        return self.tokens_compared > 0 and self.tokens_different == 0
+        routes_equal = self.routes is None or self.routes.different == 0
+        return self.tokens_compared > 0 and self.tokens_different == 0 and routes_equal
 
     def summary(self) -> str:
         head = (f"tokens compared: {self.tokens_compared}, different: {self.tokens_different}, "
                 f"max |Δ|: {self.max_abs_diff:.3e}")
+        if self.routes is not None:
+            head += f", {self.routes.summary()}"
         if self.tokens_compared == 0:
             return head + " - NOTHING COMPARED"
         if self.bitwise_identical:
             return head + " - EXACT BITWISE MATCH"
+        if self.first_mismatch is None:
+            return head + f" - first route difference: {self.routes.where()}"
         s, j = self.first_mismatch
         return head + f" - first mismatch: sequence {s}, sampled token {j}"
+
+
+@dataclass
+class RouteReport:
+    """The trainer's expert choices against the engine's, per (token, sparse layer)."""
+
+    compared: int
+    """(token, sparse layer) pairs compared."""
+    different: int
+    """Pairs whose ids differ in any slot (slots come in descending routing weight)."""
+    flips: int
+    """Pairs whose set of experts differs: the token went through other experts (a router flip)."""
+    first: tuple[int, int, int] | None = None
+    """(sequence, token, layer) of the first differing pair."""
+    first_ids: tuple[list[int], list[int]] | None = None
+    """(engine's, trainer's) expert ids there."""
+    load: torch.Tensor | None = None
+    """int64 [sparse layers, experts]: how many (token, slot) pairs each expert took, by the trainer's routes."""
+
+    def merged(self, other: "RouteReport") -> "RouteReport":
+        """The two reports as one (a step's rounds)."""
+        first, ids = (self.first, self.first_ids) if self.first is not None else (other.first, other.first_ids)
+        load = self.load if other.load is None else (other.load if self.load is None else self.load + other.load)
+        return RouteReport(self.compared + other.compared, self.different + other.different,
+                           self.flips + other.flips, first, ids, load)
+
+    def load_scalars(self, sparse: tuple[int, ...]) -> dict[str, float]:
+        """moe/layer{i}/load_max_over_mean per sparse layer (1.0: perfectly balanced) and their maximum."""
+        if self.load is None or not self.load.numel():
+            return {}
+        ratio = (self.load.max(-1).values / self.load.float().mean(-1).clamp_min(1e-9)).tolist()
+        out = {f"moe/layer{i}/load_max_over_mean": r for i, r in zip(sparse, ratio)}
+        out["moe/load_max_over_mean"] = max(ratio)
+        return out
+
+    def summary(self) -> str:
+        return f"routes compared: {self.compared} (token x layer), router flips: {self.flips}, other order: " \
+               f"{self.different - self.flips}"
+
+    def where(self) -> str:
+        s, t, layer = self.first
+        return f"sequence {s}, token {t}, layer {layer}: engine experts {self.first_ids[0]}, trainer {self.first_ids[1]}"
+
+
+def compare_routes(engine_routes: list, trainer_routes: list, sparse: tuple[int, ...],
+                   experts: int) -> RouteReport | None:
+    """Per sequence, uint8 [rows, layers, k] expert ids (the engine's and the trainer's) on the sparse layers.
+    None when the engine returned none."""
+    if not sparse or any(r is None for r in engine_routes):
+        return None
+    compared = different = flips = 0
+    first = first_ids = None
+    load = torch.zeros((len(sparse), experts), dtype=torch.long)
+    for i, (a, b) in enumerate(zip(engine_routes, trainer_routes)):
+        a, b = torch.as_tensor(a)[:, list(sparse)].long(), b[:, list(sparse)].long()
+        load += torch.stack([torch.bincount(b[:, j].reshape(-1), minlength=experts) for j in range(len(sparse))])
+        if a.shape != b.shape:
+            raise ValueError(f"sequence {i}: engine routes {list(a.shape)} vs trainer routes {list(b.shape)}")
+        slot = (a != b).any(-1)
+        flip = (a.sort(-1).values != b.sort(-1).values).any(-1)
+        compared, different, flips = compared + slot.numel(), different + int(slot.sum()), flips + int(flip.sum())
+        if first is None and slot.any():
+            t, j = slot.nonzero()[0].tolist()
+            first, first_ids = (i, t, sparse[j]), (a[t, j].tolist(), b[t, j].tolist())
+    return RouteReport(compared, different, flips, first, first_ids, load)
 
 
 def compare_logprobs(engine_lps: list[torch.Tensor], trainer_lps: list[torch.Tensor]) -> ParityReport:
@@ -154,11 +250,17 @@ def sampled_logprobs_and_entropy(model, seqs: list[Sample], device, dist: Sampli
     return lps, ent if entropy_grad else [e.detach() for e in ent]
 
 
-def check_parity(samples: list[Sample], trainer_lps, step: int, run_dir: Path, engine, policy) -> ParityReport:
+def check_parity(samples: list[Sample], trainer_lps, step: int, run_dir: Path, engine, policy,
+                 trainer_routes: list | None = None) -> ParityReport:
     """Every sampled token (every turn of a multi-turn trajectory): engine logprob == trainer's,
-    bitwise. Collective: each rank checks its own samples, and if any rank differs the step fails
+    bitwise; Qwen3-MoE (`trainer_routes`): every token's experts in every sparse layer the same as the engine's.
+    Collective: each rank checks its own samples, and if any rank differs the step fails
     on every rank with one ParityError naming the ranks (each differing rank writes its report)."""
     report = compare_logprobs([s.logprobs for s in samples], trainer_lps)
+    if trainer_routes is not None:
+        args = policy.model.args
+        report.routes = compare_routes([getattr(s, "routes", None) for s in samples], trainer_routes,
+                                       tuple(args.sparse_layers), args.moe_args.num_experts)
     failure = None if report.bitwise_identical else _report_mismatch(report, samples, trainer_lps, step, run_dir,
                                                                     engine, policy)
     world = policy.world
@@ -179,10 +281,15 @@ def _report_mismatch(report: ParityReport, samples, trainer_lps, step: int, run_
               "token_position": position, "ids": s.ids, "loss_mask": s.loss_mask,
               "engine_logprobs": s.logprobs.tolist(), "trainer_logprobs": trainer_lps[i].float().cpu().tolist(),
               "per_sequence_different": report.per_sample_different}
+    if report.routes is not None:
+        detail["routes"] = {"summary": report.routes.summary(),
+                            "first_difference": report.routes.where() if report.routes.first else None}
     if policy.world.sharded:
         detail["rank"] = policy.world.rank
         detail["localization"] = ("not run: it needs the whole model on one GPU; resume this run's last checkpoint "
                                   "without torchrun to localize")
+    elif getattr(policy.model.args, "sparse_layers", ()):
+        detail["localization"] = "not run: the layer/op localizer covers dense Qwen3 only"
     elif hasattr(engine, "llm"):  # vLLM: find the first layer/op that differs
         try:
             from types import SimpleNamespace

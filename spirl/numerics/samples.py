@@ -27,6 +27,9 @@ class Sample:
     its logprobs mode names: `sampling` = the one that sampled (logits / T, then min-p),
     `raw` = the raw logits' (see spirl.numerics.parity.SamplingDist)."""
     finish_reason: str | None = None
+    routes: torch.Tensor | None = None
+    """Qwen3-MoE: the engine's expert ids, uint8 [len(ids) - 1, layers, top-k] (every token it forwarded: the last
+    sampled one never is; dense layers' rows are 0), as vLLM's `CompletionOutput.routed_experts`; else None."""
 
     @property
     def ids(self) -> list[int]:

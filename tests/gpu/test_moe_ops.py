@@ -1,0 +1,130 @@
+"""Qwen3-MoE's sparse block on the `vllm` backend against vLLM 0.26.0's own fused-MoE calls, bit for bit, and
+its backward (torchtitan_compat/moe.py); then the whole model against vLLM's engine, logprobs and routes.
+
+Shapes are Qwen3-30B-A3B's (D 2048, 128 experts of width 768, top-8). Every bitwise claim is torch.equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+T, D, E, I, K = 300, 2048, 128, 768, 8
+
+
+def rand(*shape, scale=1.0, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def block():
+    from torchtitan_compat.vllm_ops import VLLMBackend
+
+    be = VLLMBackend(sampler="v1")
+    x, wg = rand(T, D, seed=1), rand(E, D, scale=0.02, seed=2)
+    w13, w2 = rand(E, 2 * I, D, scale=0.02, seed=3), rand(E, D, I, scale=0.02, seed=4)
+    w, ids = be.moe_route(be.linear(x, wg), K, True)
+    return be, x, wg, w13, w2, w, ids
+
+
+def test_pinned_config_is_vllms():
+    from torchtitan_compat.vllm_ops import BATCH_INVARIANT_MOE_CONFIG
+    from vllm.model_executor.layers.fused_moe.fused_moe import get_default_config
+
+    for m in (1, 5, 300, 8192):
+        assert get_default_config(m, E, 2 * I, D, K, None) == BATCH_INVARIANT_MOE_CONFIG
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_ids_follow_the_tie_rule(block, renormalize):
+    """The op's experts equal a stable descending sort of fp32 softmax (ties: lower index first), on random
+    logits and on logits full of ties (7 distinct values over 128 experts)."""
+    from torchtitan_compat.ops import ReferenceBackend
+
+    be, ref = block[0], ReferenceBackend()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ties = (torch.randint(-3, 4, (4096, E), device="cuda", generator=g).float() * 0.5).bfloat16()
+    for z in (be.linear(block[1], block[2]), ties):
+        assert torch.equal(be.moe_route(z, K, renormalize)[1], ref.moe_route(z, K, renormalize)[1])
+
+
+def test_experts_equal_fused_experts(block):
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+    be, x, _, w13, w2, w, ids = block
+    assert torch.equal(be.moe_experts(x, w13, w2, w, ids)[0], fused_experts(x, w13, w2, w, ids))
+
+
+def test_experts_rows_do_not_depend_on_the_batch(block):
+    """A token's output alone (T=1: vLLM's naive one-token blocks), in a shuffled batch and in a slice equals
+    its output in the batch of 300 (moe_align_block_size's sorted blocks)."""
+    be, x, _, w13, w2, w, ids = block
+    y = be.moe_experts(x, w13, w2, w, ids)[0]
+    for i in range(0, T, 23):
+        assert torch.equal(be.moe_experts(x[i:i + 1], w13, w2, w[i:i + 1], ids[i:i + 1])[0], y[i:i + 1])
+    perm = torch.randperm(T, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6))
+    assert torch.equal(be.moe_experts(x[perm], w13, w2, w[perm], ids[perm])[0], y[perm])
+    assert torch.equal(be.moe_experts(x[5:42], w13, w2, w[5:42], ids[5:42])[0], y[5:42])
+
+
+def _grads(be, x, wg, w13, w2, routes=None):
+    import batch_invariant_backward as bib
+    from torchtitan_compat import moe
+
+    leaves = [t.clone().requires_grad_() for t in (x, wg, w13, w2)]
+    w, ids = moe.route(bib.linear(leaves[0], leaves[1], be), K, True, be)
+    if routes is not None:
+        assert torch.equal(ids, routes)
+    y = moe.experts(leaves[0], leaves[2], leaves[3], w, ids, be)
+    (y.float() * torch.linspace(-1, 1, D, device="cuda")).sum().backward()
+    return [t.grad for t in leaves], ids
+
+
+def test_backward_is_deterministic_and_right(block):
+    """Twice the same bits; against the reference backend's float32 autograd on the same inputs (the same routes:
+    asserted), relative error within 2e-2: the trainer's backward GEMMs take bf16 operands (8 bits of mantissa,
+    errors ~4e-3 per rounding, several roundings deep), float32 takes none."""
+    from torchtitan_compat.ops import ReferenceBackend
+
+    be, x, wg, w13, w2, _, ids = block
+    first, _ = _grads(be, x, wg, w13, w2)
+    second, _ = _grads(be, x, wg, w13, w2)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+    class Routed(ReferenceBackend):  # fp32 everything, but the bf16 router logits' routes
+        def linear(self, a, b):
+            return be.linear(a.bfloat16(), b.bfloat16()).float() if b.shape[0] == E else super().linear(a, b)
+
+    ref, _ = _grads(Routed(), *(t.float() for t in (x, wg, w13, w2)), routes=ids)
+    for a, b in zip(first, ref):
+        assert float((a.float() - b).norm() / b.norm()) < 2e-2
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    import weights
+
+    out = tmp_path_factory.mktemp("moe") / "ckpt"
+    weights.write_random_checkpoint(out, "Qwen3-30B-A3B", num_layers=2, seed=0, dtype=torch.bfloat16)
+    return str(out)
+
+
+def test_engine_parity_matrix_logprobs_and_routes(moe_ckpt, tmp_path):
+    """The quick parity matrix on a random 2-layer Qwen3-30B-A3B: 0 logprobs and 0 routes different in every
+    case (its own process: one vLLM engine a process)."""
+    out = tmp_path / "matrix.json"
+    env = {**os.environ, "VLLM_BATCH_INVARIANT": "1"}
+    r = subprocess.run([sys.executable, "-m", "compare.parity_matrix", "--model", moe_ckpt, "--quick", "--json",
+                        str(out)], env=env, capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    moe_cases = [c for c in results if "routes_compared" in c]
+    assert moe_cases and all(c["routes_compared"] > 0 and c["routes_different"] == 0 for c in moe_cases)
+    assert all(c["tokens_compared"] > 0 and c["tokens_different"] == 0 for c in results)
