@@ -135,26 +135,30 @@ def _titan_expected_compat(model_args) -> dict:
     return {k: v for k, v in expected_compat_shapes(model_args).items() if k not in moe}
 
 
-def _split_off_experts(sd: dict, names) -> tuple[dict, dict]:
-    """(the entries of sd named in `names`, the others)."""
+def _split_off_experts(sd: dict, names, consume: bool = False) -> tuple[dict, dict]:
+    """(the entries of sd named in `names`, the others); `consume`: those entries are taken out of sd."""
     names = set(names)
-    return {k: v for k, v in sd.items() if k in names}, {k: v for k, v in sd.items() if k not in names}
+    moe = {k: sd.pop(k) for k in list(sd) if k in names} if consume else {k: v for k, v in sd.items() if k in names}
+    return moe, {k: v for k, v in sd.items() if k not in names}
 
 
-def hf_experts_to_compat(hf_sd: dict, model_args) -> dict:
+def hf_experts_to_compat(hf_sd: dict, model_args, consume: bool = False) -> dict:
     """The sparse layers' HF router and per-expert tensors (all of them) in the merged layout: each layer's
-    experts copied once into [E, 2I, D] and [E, D, I] tensors of the HF tensors' dtype."""
+    experts copied once into [E, 2I, D] and [E, D, I] tensors of the HF tensors' dtype. `consume`: each HF tensor
+    is taken out of hf_sd once copied, so that the host holds about one copy of the experts at a time (Qwen3-30B-A3B:
+    57 GiB of bf16 experts)."""
     a, out = model_args, {}
+    take = hf_sd.pop if consume else hf_sd.__getitem__
     for i in sparse_layers(a):
         p, e_count, inter = f"model.layers.{i}.mlp.", a.moe_args.num_experts, a.moe_inter_dim
         first = hf_sd[p + "experts.0.gate_proj.weight"]
         gate_up = torch.empty((e_count, 2 * inter, a.dim), dtype=first.dtype)
         down = torch.empty((e_count, a.dim, inter), dtype=first.dtype)
         for e in range(e_count):
-            gate_up[e, :inter] = hf_sd[f"{p}experts.{e}.gate_proj.weight"]
-            gate_up[e, inter:] = hf_sd[f"{p}experts.{e}.up_proj.weight"]
-            down[e] = hf_sd[f"{p}experts.{e}.down_proj.weight"]
-        out.update({f"layers.{i}.moe.router.weight": hf_sd[p + "gate.weight"],
+            gate_up[e, :inter] = take(f"{p}experts.{e}.gate_proj.weight")
+            gate_up[e, inter:] = take(f"{p}experts.{e}.up_proj.weight")
+            down[e] = take(f"{p}experts.{e}.down_proj.weight")
+        out.update({f"layers.{i}.moe.router.weight": take(p + "gate.weight"),
                     f"layers.{i}.moe.experts.gate_up_proj": gate_up, f"layers.{i}.moe.experts.down_proj": down})
     return out
 
@@ -216,12 +220,13 @@ def compat_to_hf(compat_sd: dict, model_args, clone: bool = False) -> dict:
     return {k: hf[k] for k in expected_hf_shapes(model_args)}
 
 
-def hf_to_compat(hf_sd: dict, model_args) -> dict:
-    """HF Qwen3 state dict -> compat layout (via TorchTitan; Qwen3-MoE experts directly)."""
-    moe, rest = _split_off_experts(hf_sd, expected_hf_expert_shapes(model_args))
+def hf_to_compat(hf_sd: dict, model_args, consume: bool = False) -> dict:
+    """HF Qwen3 state dict -> compat layout (via TorchTitan; Qwen3-MoE experts directly). `consume`: the experts'
+    HF tensors are taken out of hf_sd as they are copied (one host copy at a time)."""
+    moe, rest = _split_off_experts(hf_sd, expected_hf_expert_shapes(model_args), consume)
     check_state_dict(moe, expected_hf_expert_shapes(model_args), "HF state dict", _HINT)
     compat = titan_to_compat(hf_to_titan(rest, model_args), model_args)
-    compat.update(hf_experts_to_compat(moe, model_args))
+    compat.update(hf_experts_to_compat(moe, model_args, consume))
     return {k: compat[k] for k in expected_compat_shapes(model_args)}
 
 
@@ -255,7 +260,7 @@ def read_compat(model_dir: str | Path | ModelDir, dtype: torch.dtype | None = No
     config is not read again. The HF state dict is dropped as soon as the merged one is built, so the host holds
     one copy at a time besides the cast."""
     checkpoint = read_model_dir(model_dir)
-    compat = hf_to_compat(hf_state_dict(checkpoint), checkpoint.args)
+    compat = hf_to_compat(hf_state_dict(checkpoint), checkpoint.args, consume=True)
     return compat if dtype is None else {k: v.to(dtype) for k, v in compat.items()}
 
 

@@ -16,9 +16,10 @@ What is counted (P = parameters, c = bytes per element of the compute dtype: 2 f
         with activation checkpointing: each decoder layer's input [T, dim] x n_layers, plus one
         layer's activations and their gradients (2 x A);
         without: every layer's activations (n_layers x A) plus one layer's gradients (A);
-        A = T x (2 q + 3 kv + 4 hidden_dim + 6 dim) elements per layer (q = n_heads x head_dim,
+        A = T x (2 q + 3 kv + M + 6 dim) elements per layer (q = n_heads x head_dim,
         kv = n_kv_heads x head_dim: the qkv projection, normed/rotated q and k, the attention
-        output, the gate/up projection and SiLU-and-mul, norms, residuals, projections)
+        output, norms, residuals, projections; M = the MLP's, `mlp_activation_width`: 4 hidden_dim
+        dense, far more for Qwen3-MoE's routed slots)
     lm_head logits of the micro-batch's rows in fp32: T x vocab x 4 B, x 2 for the backward
         (x 3 of one chunk instead when lm_head runs in chunks of `logits_chunk_elements`)
     vLLM's share                        gpu_memory_utilization x GPU total (engine vllm; not
@@ -78,17 +79,39 @@ class MemoryEstimate:
         return " + ".join(f"{k} {v / GIB:.1f}" for k, v in self.parts.items() if v) + " GiB"
 
 
-def layer_param_count(args) -> int:
-    """Parameters of one decoder layer."""
+def layer_param_count(args, i: int | None = None) -> int:
+    """Parameters of decoder layer i (None: the largest layer). A Qwen3-MoE sparse layer has a router (E x dim)
+    and E experts of 3 x dim x moe_inter_dim in place of the dense MLP."""
     d, dh, inter = args.dim, args.head_dim, args.hidden_dim
     q, kv = args.n_heads * dh, args.n_kv_heads * dh
-    return d * (q + 2 * kv) + q * d + 2 * dh + 2 * d + 3 * d * inter
+    sparse = getattr(args, "sparse_layers", ())
+    dense_mlp = 3 * d * inter
+    moe_mlp = args.moe_args.num_experts * (d + 3 * d * args.moe_inter_dim) if sparse else 0
+    mlp = (moe_mlp if i in sparse else dense_mlp) if i is not None else max(dense_mlp if len(sparse) < args.n_layers
+                                                                            else 0, moe_mlp)
+    return d * (q + 2 * kv) + q * d + 2 * dh + 2 * d + mlp
+
+
+def decoder_param_count(args) -> int:
+    """Parameters of all decoder layers."""
+    return sum(layer_param_count(args, i) for i in range(args.n_layers))
 
 
 def param_count(args) -> int:
     """Parameters of a Qwen3 model from torchtitan's Qwen3ModelArgs."""
     head = 0 if args.enable_weight_tying else args.vocab_size * args.dim
-    return args.vocab_size * args.dim + args.n_layers * layer_param_count(args) + args.dim + head
+    return args.vocab_size * args.dim + decoder_param_count(args) + args.dim + head
+
+
+def mlp_activation_width(args) -> int:
+    """Elements per token of a layer's MLP activations and backward temporaries (the largest layer): dense 4 x
+    hidden_dim (gate/up, SiLU-and-mul); Qwen3-MoE E router logits and, per routed slot, the gate/up output, the
+    SwiGLU output, the down output and the backward's gathered rows and float32 temporaries (k x (8 I + 8 dim))."""
+    dense = 4 * args.hidden_dim
+    if not getattr(args, "sparse_layers", ()):
+        return dense
+    moe = args.moe_args.num_experts + args.moe_args.top_k * 8 * (args.moe_inter_dim + args.dim)
+    return max(moe, dense if len(args.sparse_layers) < args.n_layers else 0)
 
 
 def tokens_per_microbatch(cfg, max_seq_len: int) -> int:
@@ -135,11 +158,11 @@ def estimate(args, cfg, gpu_total_bytes: int, max_seq_len: int | None = None,
     c = _DTYPE_BYTES.get(cfg.dtype, 4)
     p = param_count(args)
     per_rank = p / shards if shards else p
-    whole = p if not shards else p - (args.n_layers - 2) * layer_param_count(args)
+    whole = p if not shards else p - decoder_param_count(args) + 2 * layer_param_count(args)
     length = max_seq_len or getattr(cfg, "max_model_len", 4096)
     t = tokens_per_microbatch(cfg, length)
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    layer = t * (2 * q + 3 * kv + 4 * args.hidden_dim + 6 * args.dim) * c
+    layer = t * (2 * q + 3 * kv + mlp_activation_width(args) + 6 * args.dim) * c
     if cfg.activation_checkpointing:
         activations = args.n_layers * t * args.dim * c + 2 * layer
     else:

@@ -342,7 +342,11 @@ class VLLMEngine:
         self.wake_up()
         loaded = self.model.load_weights(hf_named_tensors)
         torch.cuda.synchronize()
-        missing = sorted(set(n for n, _ in self.model.named_parameters()) - set(loaded or ()))
+        loaded = set(loaded or ())
+        # vLLM 0.26's FusedMoE loader reports `...mlp.experts.w13_weight` for the parameter it names
+        # `...mlp.experts.routed_experts.w13_weight`
+        missing = sorted(n for n, _ in self.model.named_parameters()
+                         if n not in loaded and n.replace(".routed_experts.", ".") not in loaded)
         if missing:
             raise RuntimeError(f"vLLM kept placeholder values for {len(missing)} weight(s), e.g. {missing[0]}: "
                                "the weights given do not cover the model")
