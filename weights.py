@@ -1,6 +1,7 @@
 """Hugging Face Qwen3 checkpoints <-> TorchTitan state dicts: a library and a small CLI.
 
-    python weights.py --random {tiny,Qwen3-1.7B,tiny-moe,Qwen3-30B-A3B,...} [--layers N] [--seed S] [--dtype bf16|fp32] --out DIR
+    python weights.py --random SHAPE [--layers N] [--seed S] [--dtype bf16|fp32] [--random-device cuda] --out DIR
+        (SHAPE: tiny, small, Qwen3-0.6B ... Qwen3-32B, tiny-moe, Qwen3-30B-A3B)
     python weights.py --download REPO_ID --out DIR
     python weights.py --check DIR
     python weights.py --merge-lora ADAPTER_DIR --model BASE_DIR --out DIR [--device auto|cpu|cuda]

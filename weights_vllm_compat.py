@@ -35,8 +35,9 @@ import torch
 
 from torchtitan_compat import Qwen3VLLMCompatModel, select_backend
 from torchtitan_compat.config import ModelDir
-from weights import (WeightsError, check_state_dict, expected_hf_expert_shapes, expected_hf_shapes, expected_titan_shapes,
-                     hf_names_of_titan, hf_to_titan, hf_state_dict, read_model_dir, sparse_layers, titan_to_hf)
+from weights import (WeightsError, check_state_dict, expected_hf_expert_shapes, expected_hf_shapes,
+                     expected_titan_shapes, hf_names_of_titan, hf_state_dict, hf_to_titan, read_model_dir,
+                     sparse_layers, titan_to_hf)
 
 _HINT = "the weights do not match the model config"
 
@@ -173,7 +174,8 @@ def compat_experts_to_hf(compat_part: dict, model_args) -> dict:
             out[p + "gate.weight"] = t
         elif what == "experts.gate_up_proj":
             for e in range(t.shape[0]):
-                out[f"{p}experts.{e}.gate_proj.weight"], out[f"{p}experts.{e}.up_proj.weight"] = t[e, :inter], t[e, inter:]
+                out[f"{p}experts.{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{p}experts.{e}.up_proj.weight"] = t[e, inter:]
         else:
             out.update((f"{p}experts.{e}.down_proj.weight", t[e]) for e in range(t.shape[0]))
     return out

@@ -14,6 +14,7 @@ layers do after `vllm_patches` replaced its fused add+norm kernel.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,29 @@ import batch_invariant_backward as bib
 from .lora import LoRALinear
 from .moe import MoE
 from .ops import select_backend
+
+
+class LayerRecord(MutableMapping):
+    """Layer id -> tensor, filled by a forward (Qwen3-MoE's routes or router logits). Not a dict on purpose: FSDP2's
+    forward hooks rebuild dict arguments (to cast their tensors), which would leave the caller's dict empty."""
+
+    def __init__(self):
+        self._by_layer: dict = {}
+
+    def __getitem__(self, key):
+        return self._by_layer[key]
+
+    def __setitem__(self, key, value):
+        self._by_layer[key] = value
+
+    def __delitem__(self, key):
+        del self._by_layer[key]
+
+    def __iter__(self):
+        return iter(self._by_layer)
+
+    def __len__(self):
+        return len(self._by_layer)
 
 
 @dataclass
@@ -152,8 +176,9 @@ class Qwen3VLLMCompatModel(nn.Module):
 
     def hidden_states(self, tokens, positions, cu_seqlens, max_seqlen=None, routes=None,
                       router_logits=None) -> torch.Tensor:
-        """The final norm's output [T, D]. `routes` / `router_logits`: dicts that each sparse layer fills
-        with its expert ids int32 [T, k] / its router logits [T, E] (Qwen3-MoE; parity, the aux loss)."""
+        """The final norm's output [T, D]. `routes` / `router_logits`: mappings (a LayerRecord under FSDP2) that each
+        sparse layer fills with its expert ids int32 [T, k] / its router logits [T, E] (Qwen3-MoE; parity, the aux
+        loss)."""
         h = self.tok_embeddings(tokens)
         p = self.packed(positions, cu_seqlens, max_seqlen, like=h, routes=routes, router_logits=router_logits)
         checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
@@ -168,12 +193,13 @@ class Qwen3VLLMCompatModel(nn.Module):
         return bib.linear(h, self.output_weight(), self.backend)
 
     def token_logprobs(self, tokens, positions, cu_seqlens, max_seqlen, rows, targets, temperature=1.0,
-                       min_p=0.0, entropy=False, routes=None):
+                       min_p=0.0, entropy=False, routes=None, router_logits=None):
         """float32 logprob of targets[i] under row rows[i]'s distribution (logits / temperature, then
         min-p), and its entropy when asked: ([N], [N] or None). Only the selected rows go through
         lm_head (every op after the decoder is row-wise, so selecting first changes no bits). One
         call is one forward, so a sharded model (FSDP2) gathers its weights for it as for forward.
-        `routes`: a dict the sparse layers fill with their expert ids (see hidden_states)."""
-        h = self.hidden_states(tokens, positions, cu_seqlens, max_seqlen, routes=routes)[rows]
+        `routes` / `router_logits`: dicts the sparse layers fill (see hidden_states)."""
+        h = self.hidden_states(tokens, positions, cu_seqlens, max_seqlen, routes=routes,
+                               router_logits=router_logits)[rows]
         return bib.lm_head_logprobs(h, self.output_weight(), targets, self.backend, temperature, min_p,
                                     entropy=entropy, lora=self.head_lora())

@@ -178,3 +178,20 @@ class MoE(nn.Module):
         if p.router_logits is not None:
             p.router_logits[self.layer_id] = z
         return experts(x, self.experts.gate_up_proj, self.experts.down_proj, w, ids, p.backend)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], ids: list[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """transformers' Qwen3-MoE `load_balancing_loss_func` without padding, over the L sparse layers' router logits
+    z_l [N, E] and the experts the tokens took, ids_l [N, k] (the engine's, which transformers would recompute with
+    its own top-k of softmax(z)):
+
+        p = softmax(z) over E for the L*N rows;  f[j, e] = mean over rows of [ids[:, j] == e]  [k, E]
+        P[e] = mean over rows of p[:, e];        aux = E * sum_{j, e} f[j, e] P[e]
+
+    (f sums to k over (j, e): a balanced router gives aux = k). Differentiable through P only, as transformers' is.
+    The softmax is taken in float32 (transformers takes it in the logits' dtype)."""
+    z = torch.cat(router_logits).float()
+    p = torch.softmax(z, dim=-1)
+    chosen = torch.nn.functional.one_hot(torch.cat(ids).long(), num_experts)  # [L*N, k, E]
+    tokens_per_expert = chosen.float().mean(0)
+    return (tokens_per_expert * p.mean(0)[None]).sum() * num_experts

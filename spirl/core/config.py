@@ -65,6 +65,10 @@ class TrainConfig:
     """Weight of the k3 KL estimate to the frozen initial (reference) policy."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
+    router_aux_loss: int = 0
+    """Qwen3-MoE: 1 adds the routers' load-balancing loss times the checkpoint's router_aux_loss_coef, as
+    transformers computes it with output_router_logits (TRL's GRPO then adds it to each micro-batch's loss); here
+    each micro-batch's share of the mini-batch's tokens weights it. 0 = off."""
     clip_eps: float = 0.2
     """PPO ratio clip: ratios are clipped to [1 - eps, 1 + eps] (TRL's epsilon; the upper bound: --clip-eps-high)."""
     clip_eps_high: float = 0.0
@@ -281,6 +285,7 @@ class TrainConfig:
         return [
             (self.kl_coef >= 0, "kl_coef must be >= 0"),
             (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
+            (self.router_aux_loss in (0, 1), "router_aux_loss must be 0 or 1"),
             (0 < self.clip_eps < 1, "clip_eps must be in (0, 1)"),
             (self.loss_type in LOSS_TYPES, f"loss_type must be one of {', '.join(LOSS_TYPES)}"),
             (self.importance_sampling_level in IS_LEVELS,

@@ -101,11 +101,17 @@ class TritonBuilds:
 
 
 def linear_shapes(model_args) -> tuple[list[tuple[int, int]], tuple[int, int]]:
-    """(N, K) of the model's distinct decoder-layer linears (fused qkv, o, fused gate_up, down), and of lm_head."""
+    """(N, K) of the model's distinct decoder-layer linears (fused qkv, o, fused gate_up, down; Qwen3-MoE: the router,
+    and the dense MLP's only where some layer is dense), and of lm_head."""
     import weights_vllm_compat
 
     shapes = weights_vllm_compat.linear_shapes(model_args)
     head = shapes.pop("lm_head")
+    sparse = getattr(model_args, "sparse_layers", ())
+    if sparse:
+        shapes["router"] = (model_args.moe_args.num_experts, model_args.dim)
+        if len(sparse) == model_args.n_layers:
+            del shapes["gate_up"], shapes["down"]
     return sorted(set(shapes.values())), head
 
 

@@ -130,6 +130,7 @@ def setup(cfg: TrainConfig, signals: Signals | None = None, progress: Progress |
     run_dir = _check_environment(cfg)
     world = _join_ranks(cfg, signals, progress)
     model, reference = _checkpoint(cfg, world)
+    _check_model_options(cfg, model.args)
     lora = resumed = None
     if cfg.lora:  # the adapter's spec (rank checked against the layers, --lora-init read) before anything heavy
         from ..core.lora import resolve_spec
@@ -162,6 +163,19 @@ def setup(cfg: TrainConfig, signals: Signals | None = None, progress: Progress |
         run.closing.close()  # what was opened is closed at once when the rest of the set-up fails
         raise
     return run
+
+
+def _check_model_options(cfg: TrainConfig, args) -> None:
+    """Options that only some models can take, refused in one line."""
+    from ..core.config import ConfigError
+
+    moe = bool(getattr(args, "sparse_layers", ()))
+    if cfg.router_aux_loss and not moe:
+        raise ConfigError("--router-aux-loss 1 needs a mixture-of-experts model (model_type qwen3_moe); this one "
+                          "is dense")
+    if moe and cfg.engine == "vllm" and cfg.min_p > 0:
+        raise ConfigError("--min-p with a Qwen3-MoE model: vLLM samples it with its V1 sampler, whose min-p the "
+                          "trainer does not reproduce; use --min-p 0")
 
 
 def _seed_and_warn(cfg: TrainConfig) -> None:

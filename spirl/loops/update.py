@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from torchtitan_compat.model import LayerRecord
+
 from ..core.config import TrainConfig
 from ..core.optim import clip_grad_norm, step_with_deltas
 from ..core.policy import Policy
@@ -73,15 +75,37 @@ def minibatch_weights(cfg: TrainConfig, samples, world) -> SequenceWeights:
 
 
 def micro_batch_loss(policy: Policy, samples, old_lps, ref_lps, adv, weights: SequenceWeights, cfg: TrainConfig,
-                     device) -> tuple[torch.Tensor, dict]:
+                     device, token_share: float = 1.0) -> tuple[torch.Tensor, dict]:
     """(loss, its metrics) of one micro-batch: the trainer's forward (logprobs and entropy under the run's
-    sampling distribution) and the loss --loss-type names, with the mini-batch's normalizers `weights`."""
+    sampling distribution) and the loss --loss-type names, with the mini-batch's normalizers `weights`;
+    with --router-aux-loss, plus the routers' load-balancing loss weighted by `token_share`, the micro-batch's share
+    of the mini-batch's tokens."""
+    router = (LayerRecord(), LayerRecord()) if cfg.router_aux_loss else None
     lps, ent = sampled_logprobs_and_entropy(policy.model, samples, device, sampling_dist(cfg),
-                                            entropy_grad=cfg.entropy_coef > 0)
+                                            entropy_grad=cfg.entropy_coef > 0, router=router)
     lp, mask = pad(lps)
     ref = None if ref_lps is None else pad(ref_lps)[0].to(device)
-    return grpo_loss(lp, pad(old_lps)[0].to(device), ref, adv.to(device), mask, cfg.clip_eps, cfg.kl_coef,
-                     pad(ent)[0], cfg.entropy_coef, LossMenu.from_config(cfg), weights)
+    loss, metrics = grpo_loss(lp, pad(old_lps)[0].to(device), ref, adv.to(device), mask, cfg.clip_eps, cfg.kl_coef,
+                              pad(ent)[0], cfg.entropy_coef, LossMenu.from_config(cfg), weights)
+    if router is not None:
+        loss, metrics = _with_router_aux_loss(policy, samples, router, token_share, loss, metrics)
+    return loss, metrics
+
+
+def _with_router_aux_loss(policy: Policy, samples, router: tuple[dict, dict], token_share: float, loss, metrics):
+    """loss + router_aux_loss_coef x token_share x the micro-batch's load-balancing loss (moe.load_balancing_loss
+    over every token of its sequences); router_aux_loss logged weighted the same way (over the micro-batches and
+    ranks: the token-weighted mean)."""
+    from torchtitan_compat.moe import load_balancing_loss
+
+    args = policy.model.args
+    layers = sorted(router[0])
+    aux = load_balancing_loss([router[0][i] for i in layers], [router[1][i] for i in layers],
+                              args.moe_args.num_experts)
+    if any(isinstance(s, Placeholder) for s in samples):
+        token_share = 0.0
+    return (loss + args.router_aux_loss_coef * token_share * aux,
+            {**metrics, "router_aux_loss": float(aux.detach()) * token_share})
 
 
 def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainConfig, device, times) -> dict:
@@ -98,12 +122,16 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
     bad: float | None = None  # this rank's non-finite loss, if it met one
     if policy.fsdp:
         slices += [None] * (int(world.all_max(len(slices))) - len(slices))
+    total_tokens = world.all_sum([sum(len(s.ids) for s in samples if not isinstance(s, Placeholder))])[0]
     for sl in slices:
         padding = sl is None
         sl = slice(0, 1) if padding else sl
+        # this micro-batch's share of the mini-batch's tokens, scaled by the ranks as the loss is (their gradients
+        # are averaged)
+        share = 0.0 if padding else sum(len(s.ids) for s in samples[sl]) * world.size / max(total_tokens, 1)
         with timed(times, "forward"):
             loss, m = micro_batch_loss(policy, samples[sl], old_lps[sl], None if ref_lps is None else ref_lps[sl],
-                                       adv[sl], weights[sl], cfg, device)
+                                       adv[sl], weights[sl], cfg, device, share)
         if not torch.isfinite(loss):
             bad = float(loss.detach())
         if policy.fsdp and world.any(bad is not None):  # every rank is at the same pass: decide now

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from torchtitan_compat import PackedTokens, pack
+from torchtitan_compat.model import LayerRecord
 from torchtitan_compat.packing import flatten
 
 from .samples import Sample
@@ -73,15 +74,17 @@ def logprob_dist(mode: str, temperature: float, min_p: float = 0.0) -> SamplingD
     return SamplingDist(temperature, min_p) if mode == "sampling" else RAW
 
 
-def _logprobs(model, seqs, device, dist: SamplingDist, entropy: bool, routes: list | None = None):
+def _logprobs(model, seqs, device, dist: SamplingDist, entropy: bool, routes: list | None = None,
+              router: tuple[dict, dict] | None = None):
     """One packed forward over every sequence; the logprob (and entropy) of each sampled token. `routes`: a list
-    that gets each sequence's expert ids (Qwen3-MoE; `_routes_of`)."""
+    that gets each sequence's expert ids (Qwen3-MoE; `_routes_of`); `router`: two dicts that get each sparse
+    layer's router logits and expert ids over the packed batch."""
     packed, rows, targets, sizes = pack_sampled(seqs, device)
-    layers = {} if routes is not None else None
+    layers = LayerRecord() if routes is not None else (router[1] if router is not None else None)
     lps, ent = model.token_logprobs(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen,
                                     rows, targets, dist.temperature, dist.min_p,
-                                    entropy=entropy, routes=layers)
-    if layers:
+                                    entropy=entropy, routes=layers, router_logits=router and router[0])
+    if layers and routes is not None:
         routes.extend(_routes_of(layers, packed.cu_seqlens, model.args.n_layers))
     return list(lps.split(sizes)), (list(ent.split(sizes)) if entropy else None)
 
@@ -182,7 +185,8 @@ class RouteReport:
 
     def where(self) -> str:
         s, t, layer = self.first
-        return f"sequence {s}, token {t}, layer {layer}: engine experts {self.first_ids[0]}, trainer {self.first_ids[1]}"
+        engine, trainer = self.first_ids
+        return f"sequence {s}, token {t}, layer {layer}: engine experts {engine}, trainer {trainer}"
 
 
 def compare_routes(engine_routes: list, trainer_routes: list, sparse: tuple[int, ...],
@@ -242,11 +246,13 @@ def every_token_logprobs(model, id_lists: list[list[int]], device, dist: Samplin
 
 
 def sampled_logprobs_and_entropy(model, seqs: list[Sample], device, dist: SamplingDist = RAW,
-                                 entropy_grad: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                                 entropy_grad: bool = False, router: tuple[dict, dict] | None = None
+                                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`sampled_logprobs` (the same ops, so the same bits) plus the float32 entropy of `dist` at
     each sampled token's row. The entropy is detached unless `entropy_grad` (an entropy bonus
-    needs its gradient; a metric does not)."""
-    lps, ent = _logprobs(model, seqs, device, dist, entropy=True)
+    needs its gradient; a metric does not). `router` (Qwen3-MoE): two dicts that get each sparse layer's router
+    logits (with their gradient) and expert ids."""
+    lps, ent = _logprobs(model, seqs, device, dist, entropy=True, router=router)
     return lps, ent if entropy_grad else [e.detach() for e in ent]
 
 
