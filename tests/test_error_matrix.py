@@ -236,7 +236,8 @@ def build_cases(tiny: Path, tmp: Path) -> dict[str, Case]:
     model = ["--model", str(tiny)]
     c: dict[str, Case] = {}
     shape = r"the weights do not match config\.json"
-    c["bad_llama"] = Case(["--model", str(bad["llama"])] + ONE_STEP, 3, r"model_type='llama'; only dense 'qwen3'")
+    c["bad_llama"] = Case(["--model", str(bad["llama"])] + ONE_STEP, 3,
+                           r"model_type='llama'; only 'qwen3' \(dense\) and 'qwen3_moe' are supported")
     c["bad_truncated"] = Case(["--model", str(bad["truncated"])] + ONE_STEP, 3,
                               r"model\.safetensors is not a readable safetensors file .*re-download")
     c["bad_renamed"] = Case(["--model", str(bad["renamed"])] + ONE_STEP, 3,

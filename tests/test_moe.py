@@ -346,3 +346,71 @@ def test_router_aux_loss_trains_the_router(tmp_path):
     assert rows["1"]["reward_mean"] == rows["0"]["reward_mean"]
     a, b = (load_file(str(tmp_path / "ck" / f"aux{x}" / "step_000001" / "model.safetensors")) for x in "01")
     assert not torch.equal(a["layers.1.moe.router.weight"], b["layers.1.moe.router.weight"])
+
+
+def test_peft_reads_our_attention_adapter_on_a_moe(tmp_path):
+    """An adapter on attn + lm_head of a Qwen3-MoE, written here: PEFT on transformers' Qwen3MoeForCausalLM gives
+    our logits (within the MoE logits tolerance above, 1e-4) and far from the base's; weights.py --merge-lora equals
+    PEFT's merge_and_unload bit for bit, experts included."""
+    from peft import PeftModel
+
+    from torchtitan_compat.lora import LoRASpec, apply_lora, lora_modules, parse_targets
+    from torchtitan_compat.peft_adapter import write_adapter
+
+    path, hf = hf_moe(tmp_path)
+    spec = LoRASpec(4, 16.0, parse_targets("attn,lm_head"))
+    ours = wvc.load_model(path, backend="reference").requires_grad_(False)
+    apply_lora(ours, spec, {k: v.detach().clone() for k, v in ours.state_dict().items()}, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in lora_modules(ours).values():
+            for b in m.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+            m.merge()  # the weight the model computes with, W + s B A
+    write_adapter(tmp_path / "a", {n: q for n, q in ours.named_parameters() if q.requires_grad}, spec)
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        base = hf(ids).logits
+        peft = PeftModel.from_pretrained(hf, str(tmp_path / "a")).eval()
+        theirs = peft(ids).logits
+        mine = packed_logits(ours, ids)
+    assert (mine - theirs).abs().max() < 1e-4 and (base - theirs).abs().max() > 1e-2
+    weights.merge_lora(tmp_path / "a", path, tmp_path / "m", device="cpu")
+    args = model_args_from_hf_config(weights.load_hf_checkpoint(path)[0])
+    merged = weights.load_hf_checkpoint(tmp_path / "m")[1]
+    peft_merged = weights.unfuse_experts(dict(peft.merge_and_unload().state_dict()), args)
+    assert set(merged) == set(peft_merged)
+    assert all(torch.equal(v, peft_merged[k]) for k, v in merged.items())
+
+
+def test_tinker_api_trains_a_moe(tmp_path, monkeypatch):
+    """The Tinker SDK's types on a tiny MoE (native engine): LoRA with train_mlp=False samples, runs
+    forward_backward with 0 logprobs different and steps; the default (experts adapted too) is refused."""
+    from tinker import types
+
+    from torchtitan_compat.lora import LoRAError
+
+    monkeypatch.setenv("SPIRL_ENGINE", "native")
+    monkeypatch.setenv("SPIRL_TINKER_DIR", str(tmp_path / "tinker"))
+    from spirl.tinker import clients
+
+    ckpt = weights.write_random_checkpoint(tmp_path / "tm", "tiny-moe", seed=0, dtype=torch.float32)
+    svc = clients.ServiceClient(api_key="ignored", base_url="http://ignored")
+    try:
+        with pytest.raises(LoRAError, match="train_mlp=False"):
+            svc.create_lora_training_client(str(ckpt), rank=4).result()
+        client = svc.create_lora_training_client(str(ckpt), rank=4, train_mlp=False).result()
+        ids = client.get_tokenizer().encode("Question: what is 2+3?")
+        sampler = client.save_weights_and_get_sampling_client().result()
+        res = sampler.sample(prompt=types.ModelInput.from_ints(ids), num_samples=2,
+                             sampling_params=types.SamplingParams(max_tokens=5, seed=1)).result()
+        pad = [0.0] * (len(ids) - 1)
+        data = [types.Datum(model_input=types.ModelInput.from_ints((ids + s.tokens)[:-1]), loss_fn_inputs={
+            "target_tokens": (ids + s.tokens)[1:], "logprobs": pad + s.logprobs,
+            "advantages": pad + [1.0 if j else -1.0] * len(s.tokens), "weights": pad + [1.0] * len(s.tokens)})
+            for j, s in enumerate(res.sequences)]
+        out = client.forward_backward(data, "ppo").result()
+        assert out.metrics["parity/tokens_compared:sum"] > 0 and out.metrics["parity/tokens_different:sum"] == 0
+        client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    finally:
+        svc.close()

@@ -104,8 +104,8 @@ def check_spec(spec: LoRASpec, args) -> None:
         raise LoRAError("LoRA needs at least one target module")
     mlp = [t for t in spec.targets if t in GROUPS["mlp"]]
     if mlp and getattr(args, "sparse_layers", ()):
-        raise LoRAError(f"LoRA on a Qwen3-MoE's MLP ({', '.join(mlp)}: its experts) is not supported; pass "
-                        "--lora-targets attn (or attn,lm_head)")
+        raise LoRAError(f"LoRA on a Qwen3-MoE's MLP ({', '.join(mlp)}: its experts) is not supported; adapt "
+                        "attention and lm_head only: --lora-targets attn,lm_head (Tinker API: train_mlp=False)")
     shapes = target_shapes(args)
     smallest = min(spec.targets, key=lambda t: min(shapes[t]))
     if spec.rank > min(shapes[smallest]):
