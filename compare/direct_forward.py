@@ -2,8 +2,9 @@
 
     VLLM_BATCH_INVARIANT=1 python compare/direct_forward.py --model DIR --prompt "The capital of France is"
 
-Prints a per-token table and a summary; exit status 0 only on an exact bitwise match of every
-sampled token's logprob (and at least one token compared), 1 on any mismatch, 2 on bad arguments.
+Prints a per-token table and a summary (Qwen3-MoE: with the routes compared); exit status 0 only on an exact
+bitwise match of every sampled token's logprob (and of every route; at least one token compared), 1 on any
+mismatch, 2 on bad arguments.
 With --localize, a mismatch is followed by the first layer/op where vLLM's and our activations
 differ.
 """
@@ -102,8 +103,12 @@ def main(argv=None) -> int:
         print(f"Bitwise identical: {report.bitwise_identical}")
         print(f"Tokens compared: {report.tokens_compared}")
         print(f"Tokens different: {report.tokens_different}")
+        if report.routes is not None:  # Qwen3-MoE: every token's experts in every sparse layer
+            print(f"Routes (token x sparse layer) compared: {report.routes.compared}, router flips: "
+                  f"{report.routes.flips}, different in any slot: {report.routes.different}")
         print(report.summary().split(" - ")[-1])
-        if not report.bitwise_identical and args.localize:
+        dense = report.routes is None  # the localizer covers dense Qwen3 only
+        if not report.bitwise_identical and args.localize and report.first_mismatch is not None and dense:
             from spirl.numerics.localize import localize_sample
 
             print(localize_sample(harness, samples[report.first_mismatch[0]].ids))

@@ -122,13 +122,14 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
     bad: float | None = None  # this rank's non-finite loss, if it met one
     if policy.fsdp:
         slices += [None] * (int(world.all_max(len(slices))) - len(slices))
-    total_tokens = world.all_sum([sum(len(s.ids) for s in samples if not isinstance(s, Placeholder))])[0]
+    total_tokens = world.all_sum([sum(len(s.ids) for s in samples if not isinstance(s, Placeholder))])[0] \
+        if cfg.router_aux_loss else 0
     for sl in slices:
         padding = sl is None
         sl = slice(0, 1) if padding else sl
-        # this micro-batch's share of the mini-batch's tokens, scaled by the ranks as the loss is (their gradients
-        # are averaged)
-        share = 0.0 if padding else sum(len(s.ids) for s in samples[sl]) * world.size / max(total_tokens, 1)
+        # --router-aux-loss: this micro-batch's share of the mini-batch's tokens, scaled by the ranks as the loss
+        # is (their gradients are averaged)
+        share = 0.0 if padding or not total_tokens else sum(len(s.ids) for s in samples[sl]) * world.size / total_tokens
         with timed(times, "forward"):
             loss, m = micro_batch_loss(policy, samples[sl], old_lps[sl], None if ref_lps is None else ref_lps[sl],
                                        adv[sl], weights[sl], cfg, device, share)
