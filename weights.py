@@ -37,6 +37,7 @@ from torchtitan_compat.config import (
     ModelDir,
     hf_config_for_shape,
     model_args_from_hf_config,
+    sparse_layers,
 )
 
 logger = logging.getLogger("weights")
@@ -58,11 +59,6 @@ class WeightsError(ValueError):
 
 # ---------------------------------------------------------------------------------------------
 # Expected tensors (names and shapes follow from the config alone)
-
-
-def sparse_layers(model_args) -> tuple[int, ...]:
-    """The Qwen3-MoE layers with a router and experts (none for a dense Qwen3)."""
-    return tuple(getattr(model_args, "sparse_layers", ()))
 
 
 def expected_hf_expert_shapes(model_args) -> dict[str, tuple[int, ...]]:
@@ -314,15 +310,22 @@ def unfuse_experts(sd: dict, model_args) -> dict:
     cat(gate, up) per expert, `mlp.experts.down_proj` [E, D, I]; vLLM loads this form too), as the per-expert
     tensors the Hub's checkpoints have: views, no copy. Anything else is returned as it is."""
     out = dict(sd)
-    inter = getattr(model_args, "moe_inter_dim", 0)
     for i in sparse_layers(model_args):
         p = f"model.layers.{i}.mlp.experts."
-        gate_up, down = out.pop(p + "gate_up_proj", None), out.pop(p + "down_proj", None)
-        for e, t in enumerate(gate_up if gate_up is not None and gate_up.dim() == 3 else ()):
-            out[f"{p}{e}.gate_proj.weight"], out[f"{p}{e}.up_proj.weight"] = t[:inter], t[inter:]
-        for e, t in enumerate(down if down is not None and down.dim() == 3 else ()):
-            out[f"{p}{e}.down_proj.weight"] = t
+        for what in ("gate_up_proj", "down_proj"):
+            t = out.pop(p + what, None)
+            if t is not None and t.dim() == 3:
+                out.update(per_expert_tensors(p, what, t, model_args.moe_inter_dim))
     return out
+
+
+def per_expert_tensors(prefix: str, what: str, t: torch.Tensor, inter: int) -> dict:
+    """The per-expert HF tensors (`{prefix}{e}.gate_proj.weight`, `up_proj`, `down_proj`) of a fused [E, 2I, D]
+    gate_up_proj or [E, D, I] down_proj (`what`): views, no copy."""
+    if what == "gate_up_proj":
+        return {k: v for e in range(t.shape[0]) for k, v in (
+            (f"{prefix}{e}.gate_proj.weight", t[e, :inter]), (f"{prefix}{e}.up_proj.weight", t[e, inter:]))}
+    return {f"{prefix}{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
 
 
 def resolve_model_dir(model: str = DEFAULT_MODEL, local_dir: str | Path | None = None) -> Path:

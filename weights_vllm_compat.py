@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from torchtitan_compat import Qwen3VLLMCompatModel, select_backend
-from torchtitan_compat.config import ModelDir
+from torchtitan_compat.config import ModelDir, sparse_layers
 from weights import (WeightsError, check_state_dict, expected_hf_expert_shapes, expected_hf_shapes,
-                     expected_titan_shapes, hf_names_of_titan, hf_state_dict, hf_to_titan, read_model_dir,
-                     sparse_layers, titan_to_hf)
+                     expected_titan_shapes, hf_names_of_titan, hf_state_dict, hf_to_titan, per_expert_tensors,
+                     read_model_dir, titan_to_hf)
 
 _HINT = "the weights do not match the model config"
 
@@ -166,18 +166,14 @@ def hf_experts_to_compat(hf_sd: dict, model_args, consume: bool = False) -> dict
 
 def compat_experts_to_hf(compat_part: dict, model_args) -> dict:
     """Merged-layout router and expert tensors (any subset of them) under their HF names: views, no copy."""
-    out, inter = {}, getattr(model_args, "moe_inter_dim", 0)
+    out = {}
     for name, t in compat_part.items():
         layer, _, what = name.removeprefix("layers.").partition(".moe.")
         p = f"model.layers.{layer}.mlp."
         if what == "router.weight":
             out[p + "gate.weight"] = t
-        elif what == "experts.gate_up_proj":
-            for e in range(t.shape[0]):
-                out[f"{p}experts.{e}.gate_proj.weight"] = t[e, :inter]
-                out[f"{p}experts.{e}.up_proj.weight"] = t[e, inter:]
-        else:
-            out.update((f"{p}experts.{e}.down_proj.weight", t[e]) for e in range(t.shape[0]))
+        else:  # experts.gate_up_proj or experts.down_proj
+            out.update(per_expert_tensors(p + "experts.", what.removeprefix("experts."), t, model_args.moe_inter_dim))
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 
 from spirl.numerics.samples import Sample
 from spirl.engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngineConfig
-from spirl.numerics.parity import (RAW, ParityReport, SamplingDist, compare_logprobs, compare_routes, logprob_dist,
+from spirl.numerics.parity import (RAW, ParityReport, SamplingDist, compare_logprobs, logprob_dist, routes_report,
                                    sampled_logprobs_and_routes)
 
 log = logging.getLogger(__name__)
@@ -132,8 +132,5 @@ class ParityHarness:
         routes = []
         trainer = self.trainer_logprobs(samples, self.dist(temperature, min_p), routes)
         report = compare_logprobs([s.logprobs for s in samples], trainer)
-        args = self.model.args
-        if getattr(args, "sparse_layers", ()):
-            report.routes = compare_routes([s.routes for s in samples], routes, tuple(args.sparse_layers),
-                                           args.moe_args.num_experts)
+        report.routes = routes_report(samples, routes, self.model.args)
         return report, trainer

@@ -33,6 +33,7 @@ import torch
 
 from compare.harness import OPS, HarnessConfig, ParityHarness
 from spirl.numerics.parity import compare_logprobs
+from torchtitan_compat.config import is_moe
 from torchtitan_compat.tokenizer import NUM_BPE_TOKENS
 
 
@@ -62,7 +63,7 @@ def cases(quick: bool):
 
 def run(harness: ParityHarness, quick: bool) -> list[dict]:
     results = []
-    moe = bool(getattr(harness.model.args, "sparse_layers", ()))
+    moe = is_moe(harness.model.args)
     for i, (name, lengths, n, max_tokens, temp, *min_p) in enumerate(cases(quick)):
         min_p = min_p[0] if min_p else 0.0
         if moe and min_p:  # vLLM's V1 sampler (Qwen3-MoE) applies min-p in a way the trainer does not reproduce

@@ -315,9 +315,14 @@ class MoEModelArgs(Qwen3ModelArgs):
     `--router-aux-loss` in SPIRL)."""
 
 
+def sparse_layers(model_args) -> tuple[int, ...]:
+    """The Qwen3-MoE layers with a router and experts (none for a dense Qwen3's args)."""
+    return tuple(getattr(model_args, "sparse_layers", ()))
+
+
 def is_moe(model_args) -> bool:
     """True for Qwen3-MoE args (some layer has experts)."""
-    return bool(getattr(model_args, "sparse_layers", ()))
+    return bool(sparse_layers(model_args))
 
 
 def model_args_from_hf_config(cfg: dict) -> Qwen3ModelArgs:

@@ -26,6 +26,8 @@ from torch import nn
 
 import batch_invariant_backward as bib
 
+from .config import is_moe
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 """Every module LoRA can adapt, in model order."""
 GROUPS = {
@@ -103,7 +105,7 @@ def check_spec(spec: LoRASpec, args) -> None:
     if not spec.targets:
         raise LoRAError("LoRA needs at least one target module")
     mlp = [t for t in spec.targets if t in GROUPS["mlp"]]
-    if mlp and getattr(args, "sparse_layers", ()):
+    if mlp and is_moe(args):
         raise LoRAError(f"LoRA on a Qwen3-MoE's MLP ({', '.join(mlp)}: its experts) is not supported; adapt "
                         "attention and lm_head only: --lora-targets attn,lm_head (Tinker API: train_mlp=False)")
     shapes = target_shapes(args)

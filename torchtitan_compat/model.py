@@ -1,9 +1,9 @@
 """Qwen3VLLMCompatModel: torchtitan's Qwen3, laid out and computed the way vLLM computes it.
 
 Same math as torchtitan's `Qwen3Model` (pre-norm decoder, q/k RMSNorm per head, neox RoPE, GQA,
-SwiGLU MLP, tied or untied embeddings; Qwen3-MoE's sparse layers from `moe.py`), with vLLM's merged projections (`qkv_proj` =
-[wq; wk; wv], `gate_up_proj` = [w1; w3]) so that every matmul has the very shape vLLM runs, and
-every op routed through a kernel backend (`ops.py`) wrapped with a backward
+SwiGLU MLP, tied or untied embeddings; Qwen3-MoE's sparse layers from `moe.py`), with vLLM's merged
+projections (`qkv_proj` = [wq; wk; wv], `gate_up_proj` = [w1; w3]) so that every matmul has the very
+shape vLLM runs, and every op routed through a kernel backend (`ops.py`) wrapped with a backward
 (`batch_invariant_backward.py`). LoRA (`lora.py`) swaps adapted projections for `LoRALinear`s,
 which compute with the merged weight and train the adapters.
 
@@ -24,6 +24,7 @@ from torchtitan.models.qwen3 import Qwen3ModelArgs
 
 import batch_invariant_backward as bib
 
+from .config import sparse_layers
 from .lora import LoRALinear
 from .moe import MoE
 from .ops import select_backend
@@ -125,7 +126,7 @@ class DecoderLayer(nn.Module):
         self.attention_norm = Norm(a.dim, a.norm_eps)
         self.attention = Attention(a)
         self.ffn_norm = Norm(a.dim, a.norm_eps)
-        if layer_id in getattr(a, "sparse_layers", ()):
+        if layer_id in sparse_layers(a):
             self.moe = MoE(a, layer_id, Linear)
         else:
             self.feed_forward = FeedForward(a)

@@ -28,14 +28,15 @@ import batch_invariant_backward as bib
 from batch_invariant_backward import _mm, compute_dtype
 
 
-def _expert_segments(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-    """(perm, counts): the (token, slot) rows t*k + j grouped by expert with a stable sort (order: expert,
-    then t, then j), and each expert's row count. Every reduction over an expert's rows follows this order,
-    never the order of vLLM's atomically built `sorted_token_ids`."""
+def _expert_segments(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[tuple[int, slice]]]:
+    """(perm, segments): the (token, slot) rows t*k + j grouped by expert with a stable sort (order: expert,
+    then t, then j), and (expert, its rows of perm) for every expert that took some. Every reduction over an
+    expert's rows follows this order, never the order of vLLM's atomically built `sorted_token_ids`."""
     flat = ids.reshape(-1).long()
     perm = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return perm, counts
+    ends = torch.bincount(flat, minlength=num_experts).cumsum(0).tolist()
+    starts = [0] + ends[:-1]
+    return perm, [(e, slice(a, b)) for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
 
 
 class RouteFunction(torch.autograd.Function):
@@ -97,7 +98,7 @@ class ExpertsFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, w13, w2, w, ids, c1 = ctx.saved_tensors
         t, k = ids.shape
-        perm, counts = _expert_segments(ids, w13.shape[0])
+        perm, segments = _expert_segments(ids, w13.shape[0])
         cdt = compute_dtype(x.dtype)
         tok = perm // k
         c1s = c1[perm]
@@ -107,24 +108,16 @@ class ExpertsFunction(torch.autograd.Function):
         wdy = (dys.to(cdt) * ws).to(x.dtype)
         v = torch.empty(a.shape, dtype=cdt, device=x.device)
         dw13, dw2 = torch.zeros_like(w13), torch.zeros_like(w2)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                r = slice(start, start + n)
-                v[r] = _mm(dys[r], w2[e], cdt)
-                dw2[e] = _mm(wdy[r].t(), a[r], w2.dtype)
-            start += n
+        for e, r in segments:
+            v[r] = _mm(dys[r], w2[e], cdt)
+            dw2[e] = _mm(wdy[r].t(), a[r], w2.dtype)
         dw = torch.empty(t * k, dtype=cdt, device=x.device)
         dw[perm] = (v * a.to(cdt)).sum(-1)
         dc1 = bib.silu_and_mul_grad(c1s, (v * ws).to(x.dtype))
         dxs = torch.empty((t * k, x.shape[1]), dtype=cdt, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                r = slice(start, start + n)
-                dxs[r] = _mm(dc1[r], w13[e], cdt)
-                dw13[e] = _mm(dc1[r].t(), xs[r], w13.dtype)
-            start += n
+        for e, r in segments:
+            dxs[r] = _mm(dc1[r], w13[e], cdt)
+            dw13[e] = _mm(dc1[r].t(), xs[r], w13.dtype)
         dx_slots = torch.empty_like(dxs)
         dx_slots[perm] = dxs
         dx_slots = dx_slots.view(t, k, -1)

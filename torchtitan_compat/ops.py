@@ -97,15 +97,14 @@ class ReferenceBackend:
         t, k = ids.shape
         cdt = compute_dtype(x.dtype)
         flat = ids.reshape(-1).long()
+        groups = [(e, (flat == e).nonzero()[:, 0]) for e in flat.unique().tolist()]  # each expert's (token, slot) rows
         c1 = torch.empty((t * k, w13.shape[1]), dtype=x.dtype, device=x.device)
         c3 = torch.empty((t * k, w2.shape[1]), dtype=x.dtype, device=x.device)
-        for e in flat.unique().tolist():
-            rows = (flat == e).nonzero()[:, 0]
+        for e, rows in groups:
             c1[rows] = (x[rows // k].to(cdt) @ w13[e].to(cdt).t()).to(x.dtype)
         c2 = self.silu_and_mul(c1)
         wf = w.reshape(-1).to(cdt)
-        for e in flat.unique().tolist():
-            rows = (flat == e).nonzero()[:, 0]
+        for e, rows in groups:
             c3[rows] = ((c2[rows].to(cdt) @ w2[e].to(cdt).t()) * wf[rows, None]).to(x.dtype)
         c3 = c3.view(t, k, -1)
         y = c3[:, 0].to(cdt)

@@ -42,7 +42,9 @@ batch-invariant mode (the `--allow-batch-variant` comparison); tests/gpu/test_mo
 def vllm_runner(model_args) -> str:
     """The model runner vLLM 0.26.0 gives a model by default (`VllmConfig.use_v2_model_runner`): V2 for dense Qwen3,
     V1 for Qwen3-MoE (a mixture of experts not in its V2 list; V1 is also the one that returns routed experts)."""
-    return "v1" if getattr(model_args, "sparse_layers", ()) else "v2"
+    from .config import is_moe
+
+    return "v1" if is_moe(model_args) else "v2"
 
 
 def _v1_sampling_logits(logits: torch.Tensor, temperature: float, min_p: float) -> torch.Tensor:

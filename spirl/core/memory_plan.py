@@ -82,13 +82,17 @@ class MemoryEstimate:
 def layer_param_count(args, i: int | None = None) -> int:
     """Parameters of decoder layer i (None: the largest layer). A Qwen3-MoE sparse layer has a router (E x dim)
     and E experts of 3 x dim x moe_inter_dim in place of the dense MLP."""
+    from torchtitan_compat.config import sparse_layers
+
     d, dh, inter = args.dim, args.head_dim, args.hidden_dim
     q, kv = args.n_heads * dh, args.n_kv_heads * dh
-    sparse = getattr(args, "sparse_layers", ())
+    sparse = sparse_layers(args)
     dense_mlp = 3 * d * inter
     moe_mlp = args.moe_args.num_experts * (d + 3 * d * args.moe_inter_dim) if sparse else 0
-    mlp = (moe_mlp if i in sparse else dense_mlp) if i is not None else max(dense_mlp if len(sparse) < args.n_layers
-                                                                            else 0, moe_mlp)
+    if i is not None:
+        mlp = moe_mlp if i in sparse else dense_mlp
+    else:
+        mlp = max(moe_mlp, dense_mlp if len(sparse) < args.n_layers else 0)
     return d * (q + 2 * kv) + q * d + 2 * dh + 2 * d + mlp
 
 
@@ -107,11 +111,14 @@ def mlp_activation_width(args) -> int:
     """Elements per token of a layer's MLP activations and backward temporaries (the largest layer): dense 4 x
     hidden_dim (gate/up, SiLU-and-mul); Qwen3-MoE E router logits and, per routed slot, the gate/up output, the
     SwiGLU output, the down output and the backward's gathered rows and float32 temporaries (k x (8 I + 8 dim))."""
+    from torchtitan_compat.config import sparse_layers
+
     dense = 4 * args.hidden_dim
-    if not getattr(args, "sparse_layers", ()):
+    sparse = sparse_layers(args)
+    if not sparse:
         return dense
     moe = args.moe_args.num_experts + args.moe_args.top_k * 8 * (args.moe_inter_dim + args.dim)
-    return max(moe, dense if len(args.sparse_layers) < args.n_layers else 0)
+    return max(moe, dense if len(sparse) < args.n_layers else 0)
 
 
 def tokens_per_microbatch(cfg, max_seq_len: int) -> int:

@@ -191,11 +191,12 @@ class VLLMEngine:
     as one request of n, for the same bits (tests/gpu/test_tinker_gpu.py checks it)."""
 
     def __init__(self, cfg: VLLMEngineConfig):
-        prepare_environment(cfg.require_batch_invariant)
-        check_model_supported(cfg.model_dir, cfg.model_args)
-        from torchtitan_compat.config import ModelDir
+        from torchtitan_compat.config import ModelDir, is_moe
 
-        self.moe = bool(getattr(cfg.model_args or ModelDir.read(cfg.model_dir).args, "sparse_layers", ()))
+        prepare_environment(cfg.require_batch_invariant)
+        args = cfg.model_args or ModelDir.read(cfg.model_dir).args  # config.json read once
+        check_model_supported(cfg.model_dir, args)
+        self.moe = is_moe(args)
         """Qwen3-MoE: vLLM runs it on its V1 model runner, asked to return every token's experts."""
         vllm_patches.apply()
         from vllm import LLM

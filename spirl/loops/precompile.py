@@ -105,9 +105,11 @@ def linear_shapes(model_args) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     and the dense MLP's only where some layer is dense), and of lm_head."""
     import weights_vllm_compat
 
+    from torchtitan_compat.config import sparse_layers
+
     shapes = weights_vllm_compat.linear_shapes(model_args)
     head = shapes.pop("lm_head")
-    sparse = getattr(model_args, "sparse_layers", ())
+    sparse = sparse_layers(model_args)
     if sparse:
         shapes["router"] = (model_args.moe_args.num_experts, model_args.dim)
         if len(sparse) == model_args.n_layers:

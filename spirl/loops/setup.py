@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_compat.config import ModelDir
+from torchtitan_compat.config import ModelDir, is_moe
 
 from ..core import checkpoint as ckpt
 from ..core.build import build_policy_and_engine
@@ -169,7 +169,7 @@ def _check_model_options(cfg: TrainConfig, args) -> None:
     """Options that only some models can take, refused in one line."""
     from ..core.config import ConfigError
 
-    moe = bool(getattr(args, "sparse_layers", ()))
+    moe = is_moe(args)
     if cfg.router_aux_loss and not moe:
         raise ConfigError("--router-aux-loss 1 needs a mixture-of-experts model (model_type qwen3_moe); this one "
                           "is dense")

@@ -36,9 +36,11 @@ from pathlib import Path
 
 import torch
 
+from torchtitan_compat.config import sparse_layers
+
 from ..core.distributed import even_slices
 from ..core.policy import sync_weights
-from ..numerics.parity import sampled_logprobs
+from ..numerics.parity import expert_load_scalars, sampled_logprobs
 from .rollout import Rollout, collect
 from .setup import Run
 from .timing import phase_metrics, timed
@@ -93,14 +95,13 @@ def step_scalars(run: Run, ro: Rollout) -> dict:
 def route_scalars(run: Run, routes) -> dict:
     """Qwen3-MoE: parity/routes_compared, parity/router_flips (token x layer pairs whose experts differ from the
     engine's), parity/routes_different (any slot), and the experts' load per layer, over every rank."""
-    sparse = tuple(getattr(run.policy.model.args, "sparse_layers", ()))
+    sparse = sparse_layers(run.policy.model.args)
     if not sparse or routes is None:
         return {}
     compared, flips, different = run.world.all_sum([routes.compared, routes.flips, routes.different])
     load = torch.stack(run.world.gather(routes.load)).sum(0) if run.world.sharded else routes.load
-    loads = type(routes)(compared, different, flips, load=load).load_scalars(sparse)
     return {"parity/routes_compared": compared, "parity/router_flips": flips, "parity/routes_different": different,
-            **loads}
+            **expert_load_scalars(load, sparse)}
 
 
 def no_signal(step: int, out: dict) -> str:

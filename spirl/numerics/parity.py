@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from torchtitan_compat import PackedTokens, pack
+from torchtitan_compat.config import is_moe, sparse_layers
 from torchtitan_compat.model import LayerRecord
 from torchtitan_compat.packing import flatten
 
@@ -104,7 +105,7 @@ def _routes_of(layers: dict, cu_seqlens: torch.Tensor, n_layers: int) -> list[to
 def sampled_logprobs_and_routes(model, seqs: list[Sample], device, dist: SamplingDist = RAW):
     """`sampled_logprobs` (the same forward, so the same bits) and, for Qwen3-MoE, each sequence's expert ids in
     the engine's form (`Sample.routes`); None for a dense model."""
-    routes = [] if getattr(model.args, "sparse_layers", ()) else None
+    routes = [] if is_moe(model.args) else None
     lps = _logprobs(model, seqs, device, dist, entropy=False, routes=routes)[0]
     return lps, routes
 
@@ -170,15 +171,6 @@ class RouteReport:
         return RouteReport(self.compared + other.compared, self.different + other.different,
                            self.flips + other.flips, first, ids, load)
 
-    def load_scalars(self, sparse: tuple[int, ...]) -> dict[str, float]:
-        """moe/layer{i}/load_max_over_mean per sparse layer (1.0: perfectly balanced) and their maximum."""
-        if self.load is None or not self.load.numel():
-            return {}
-        ratio = (self.load.max(-1).values / self.load.float().mean(-1).clamp_min(1e-9)).tolist()
-        out = {f"moe/layer{i}/load_max_over_mean": r for i, r in zip(sparse, ratio)}
-        out["moe/load_max_over_mean"] = max(ratio)
-        return out
-
     def summary(self) -> str:
         return f"routes compared: {self.compared} (token x layer), router flips: {self.flips}, other order: " \
                f"{self.different - self.flips}"
@@ -187,6 +179,25 @@ class RouteReport:
         s, t, layer = self.first
         engine, trainer = self.first_ids
         return f"sequence {s}, token {t}, layer {layer}: engine experts {engine}, trainer {trainer}"
+
+
+def expert_load_scalars(load: torch.Tensor | None, sparse: tuple[int, ...]) -> dict[str, float]:
+    """moe/layer{i}/load_max_over_mean per sparse layer of a RouteReport's `load` (1.0: perfectly balanced) and
+    their maximum."""
+    if load is None or not load.numel():
+        return {}
+    ratio = (load.max(-1).values / load.float().mean(-1).clamp_min(1e-9)).tolist()
+    out = {f"moe/layer{i}/load_max_over_mean": r for i, r in zip(sparse, ratio)}
+    out["moe/load_max_over_mean"] = max(ratio)
+    return out
+
+
+def routes_report(samples: list, trainer_routes: list | None, model_args) -> RouteReport | None:
+    """The samples' engine routes against the trainer's of the same forward (None: a dense model, or none given)."""
+    if trainer_routes is None or not is_moe(model_args):
+        return None
+    return compare_routes([getattr(s, "routes", None) for s in samples], trainer_routes, sparse_layers(model_args),
+                          model_args.moe_args.num_experts)
 
 
 def compare_routes(engine_routes: list, trainer_routes: list, sparse: tuple[int, ...],
@@ -200,9 +211,9 @@ def compare_routes(engine_routes: list, trainer_routes: list, sparse: tuple[int,
     load = torch.zeros((len(sparse), experts), dtype=torch.long)
     for i, (a, b) in enumerate(zip(engine_routes, trainer_routes)):
         a, b = torch.as_tensor(a)[:, list(sparse)].long(), b[:, list(sparse)].long()
-        load += torch.stack([torch.bincount(b[:, j].reshape(-1), minlength=experts) for j in range(len(sparse))])
         if a.shape != b.shape:
             raise ValueError(f"sequence {i}: engine routes {list(a.shape)} vs trainer routes {list(b.shape)}")
+        load += torch.stack([torch.bincount(b[:, j].reshape(-1), minlength=experts) for j in range(len(sparse))])
         slot = (a != b).any(-1)
         flip = (a.sort(-1).values != b.sort(-1).values).any(-1)
         compared, different, flips = compared + slot.numel(), different + int(slot.sum()), flips + int(flip.sum())
@@ -264,9 +275,7 @@ def check_parity(samples: list[Sample], trainer_lps, step: int, run_dir: Path, e
     on every rank with one ParityError naming the ranks (each differing rank writes its report)."""
     report = compare_logprobs([s.logprobs for s in samples], trainer_lps)
     if trainer_routes is not None:
-        args = policy.model.args
-        report.routes = compare_routes([getattr(s, "routes", None) for s in samples], trainer_routes,
-                                       tuple(args.sparse_layers), args.moe_args.num_experts)
+        report.routes = routes_report(samples, trainer_routes, policy.model.args)
     failure = None if report.bitwise_identical else _report_mismatch(report, samples, trainer_lps, step, run_dir,
                                                                     engine, policy)
     world = policy.world
@@ -294,7 +303,7 @@ def _report_mismatch(report: ParityReport, samples, trainer_lps, step: int, run_
         detail["rank"] = policy.world.rank
         detail["localization"] = ("not run: it needs the whole model on one GPU; resume this run's last checkpoint "
                                   "without torchrun to localize")
-    elif getattr(policy.model.args, "sparse_layers", ()):
+    elif is_moe(policy.model.args):
         detail["localization"] = "not run: the layer/op localizer covers dense Qwen3 only"
     elif hasattr(engine, "llm"):  # vLLM: find the first layer/op that differs
         try:
