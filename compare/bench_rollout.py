@@ -12,7 +12,9 @@ Each engine runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import):
               its patches, its default CUDA-graph mode); `ours:MODE` picks another mode
               (none = eager, full, full_decode_only, piecewise), `ours@MAX` other capture
               sizes (`engine_options`: e.g. ours@1024; ours@vllm: vLLM's own), `ours+triton` every
-              GEMM on the Triton kernel (SPIRL_GEMM_CUBLAS=0: kernels/gemm_cublas.py; the same bits)
+              GEMM on the Triton kernel (SPIRL_GEMM_CUBLAS=0: kernels/gemm_cublas.py; the same bits).
+              On a Qwen3-MoE it returns every token's experts, as training runs it (the trainer checks them);
+              `ours-routes` is the same engine without them, to show what returning them costs
   plain       vllm.LLM with VLLM_BATCH_INVARIANT=0 and vLLM's defaults (torch.compile + CUDA graphs):
               what a user would run instead
 Every engine gets the same --gpu-memory-utilization and generates exactly the case's new tokens per
@@ -28,13 +30,23 @@ each engine's slowdown relative to `plain` (plain tokens/s / engine tokens/s).
 each engine is built once, then runs every cell the plan fits into --budget-s; each result is
 appended to --results as one JSON line the moment it is measured, so a call cut short keeps what it
 measured and the same command resumes from there (cells measured by every engine in one call are
-skipped; the first engine's share of the budget is 1/len(engines)). By default the engines run one after
-the other; with --paired they are all built on the GPU at once (1/N of the memory each) and each cell's
-runs alternate between them, the idle engines' processes stopped, so that a shared host's slow minutes fall
-on every engine alike (at Qwen3-1.7B one engine's decode step moved 3.5 -> 6.0 ms between two runs minutes
-apart). Measured at Qwen3-8B (H100, 2026-11-27), a paired engine's runs still spread more than one run alone
+skipped; each engine's share of the budget is its start estimate and 1/len(engines) of the rest). By
+default the engines run one after the other; with --paired they are all built on the GPU at once (1/N of
+the memory each) and each cell's runs alternate between them, the idle engines' processes stopped, so that
+a shared host's slow minutes fall on every engine alike (at Qwen3-1.7B one engine's decode step moved
+3.5 -> 6.0 ms between two runs minutes apart). Measured at Qwen3-8B (H100, 2026-11-27), a paired engine's runs still spread more than one run alone
 (SPIRL's 1.2-7.3 % within a cell against 0.9-2.4 %; `ServedEngine`). At the end, and with --plot,
 the report lists the worst cells and every cell above --goal, and --png draws the heatmap (matplotlib).
+
+A Qwen3-MoE checkpoint (issue 64): the plan counts its experts (a decode step reads the experts its batch routes
+to; `rollout_sweep.ModelSize`) and the GPU's own memory (nvidia-smi). Qwen3-30B-A3B's 56 GiB of bf16 weights fit
+one engine at a time on an H200, so run it without --paired: each engine's process then has all of
+--gpu-memory-utilization and exits before the next starts (--paired is refused where 1/N of it leaves no KV
+cache). A cell's row records whether the engine returned routes (`routes`) and, where it did, how many experts
+a decode step's tokens routed to (`decode_experts`, the mean over steps and layers); the engine row records the
+tuned fused-MoE config file plain vLLM read (`moe_tuned_config`), and, as every engine row, the commit and command.
+Write the checkpoint first with `weights.py --random Qwen3-30B-A3B --random-device cuda --out DIR` (74-82 s,
+docs/moe.md; --shape would draw its 30B weights on the CPU) and pass --model DIR.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ import hashlib
 import json
 import os
 import queue
+import shlex
 import signal
 import socket
 import statistics
@@ -68,6 +81,23 @@ TRITON_ONLY = "+triton"
 """Engine-name suffix: the engine's GEMMs all on kernels.gemm's Triton kernels (SPIRL_GEMM_CUBLAS=0), not on cuBLAS
 where kernels.gemm_cublas finds it gives their bits."""
 
+NO_ROUTES = "-routes"
+"""Engine-name suffix (before +triton): a Qwen3-MoE engine that does not return its tokens' experts (vLLM's
+enable_return_routed_experts off; the trainer needs them, so training never runs it). Against `ours` it shows what
+returning the routes costs: their copy from the GPU every step, the scheduler's per-slot store, the per-request
+arrays. The same engine as `ours` on a dense model."""
+
+
+def engine_base(engine_name: str) -> str:
+    """The engine name without its +triton and -routes suffixes."""
+    return engine_name.removesuffix(TRITON_ONLY).removesuffix(NO_ROUTES)
+
+
+def returns_routes(engine_name: str) -> bool:
+    """Whether an engine asks vLLM for a MoE's routes: SPIRL's engines as the trainer runs them, not `-routes` or
+    plain vLLM."""
+    return engine_name != sw.REFERENCE and not engine_name.removesuffix(TRITON_ONLY).endswith(NO_ROUTES)
+
 
 def engine_options(engine_name: str) -> dict:
     """VLLMEngineConfig fields of an `ours[:MODE][@SIZES]` engine name: MODE a CUDA-graph mode (default: the
@@ -75,12 +105,13 @@ def engine_options(engine_name: str) -> dict:
     vLLM's list to 512, then every 256 to MAX); without @, the config's default sizes."""
     from spirl.engines.vllm_engine import CUDA_GRAPH_MODES, VLLMEngineConfig, graph_sizes
 
-    base, at, sizes = engine_name.removesuffix(TRITON_ONLY).partition("@")
+    base, at, sizes = engine_base(engine_name).partition("@")
     head, _, mode = base.partition(":")
     mode = mode or VLLMEngineConfig.cuda_graphs
     bad_sizes = at and sizes != "vllm" and not (sizes.isdigit() and int(sizes))
     if head != "ours" or mode not in CUDA_GRAPH_MODES or bad_sizes:
-        raise SystemExit(f"error: engine {engine_name!r}: use plain or ours[:MODE][@vllm|@MAX_TOKENS][{TRITON_ONLY}] "
+        raise SystemExit(f"error: engine {engine_name!r}: use plain or ours[:MODE][@vllm|@MAX_TOKENS][{NO_ROUTES}]"
+                         f"[{TRITON_ONLY}] "
                          f"with MODE one of {', '.join(CUDA_GRAPH_MODES)} (e.g. ours:full@2048)")
     opts = {"cuda_graphs": mode}
     if at:
@@ -105,8 +136,29 @@ def build_llm(engine_name: str, model: str, gpu_memory_utilization: float, max_m
                    gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
     from spirl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-    return VLLMEngine(VLLMEngineConfig(model, seed=0, gpu_memory_utilization=gpu_memory_utilization,
-                                       max_model_len=max_model_len, **engine_options(engine_name))).llm
+    cfg = VLLMEngineConfig(model, seed=0, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                           **engine_options(engine_name))
+    if returns_routes(engine_name):
+        return VLLMEngine(cfg).llm
+    return without_routes(lambda: VLLMEngine(cfg)).llm
+
+
+def without_routes(build):
+    """build(), with every vllm.LLM it makes built without enable_return_routed_experts: the `-routes` engine is
+    VLLMEngine as training builds it less that one setting (VLLMEngine sets it for every MoE)."""
+    import vllm
+
+    real = vllm.LLM
+
+    def llm(*args, **kwargs):
+        kwargs.pop("enable_return_routed_experts", None)
+        return real(*args, **kwargs)
+
+    vllm.LLM = llm
+    try:
+        return build()
+    finally:
+        vllm.LLM = real
 
 
 # -- the worker (one engine, in its own process, on the GPU host) ---------------------------------------
@@ -217,7 +269,60 @@ def engine_facts(llm) -> dict:
             "cudagraph_mode": str(_attr(cfg, "compilation_config.cudagraph_mode")),
             "max_num_seqs": _attr(cfg, "scheduler_config.max_num_seqs"),
             "max_num_batched_tokens": _attr(cfg, "scheduler_config.max_num_batched_tokens"),
-            "kv_tokens": int(kv) if kv else None, "kv_block": int(block) if block else None}
+            "kv_tokens": int(kv) if kv else None, "kv_block": int(block) if block else None,
+            "returns_routes": _attr(cfg, "model_config.enable_return_routed_experts"),
+            "async_scheduling": _attr(cfg, "scheduler_config.async_scheduling"),
+            "v2_model_runner": _attr(cfg, "use_v2_model_runner")}
+
+
+def moe_tuned_config(size: sw.ModelSize) -> str | None:
+    """The file of vLLM's tuned fused-MoE kernel configs that this process's engine reads for the model's experts
+    (e.g. `E=128,N=768,device_name=NVIDIA_H200.json`: plain vLLM's, per token count); None for a dense model, in
+    batch-invariant mode (vLLM's one fixed config, SPIRL's engine) or where vLLM has no file for this GPU (its
+    default configs; it logs a warning). `?` and the error where vLLM 0.26's functions are not there."""
+    if not size.sparse_layers:
+        return None
+    try:
+        from vllm.model_executor.layers.fused_moe.fused_moe import get_config_file_name, get_moe_configs
+
+        found = get_moe_configs(size.experts, size.moe_intermediate, None)  # bf16: no dtype in the file's name
+        return get_config_file_name(size.experts, size.moe_intermediate, None) if found else None
+    except Exception as e:  # noqa: BLE001 - a fact for the record, never a reason to stop the sweep
+        return f"? ({type(e).__name__}: {e})"
+
+
+def decode_experts(routes: list, prompt_len: int) -> float | None:
+    """How many experts a decode step reads: over the decode steps and layers of one rollout, the mean number of
+    distinct experts that the batch's tokens of that step route to (top-k each; 1 to E). `routes`: each sequence's
+    routed experts as vLLM returns them ([prompt + new - 1, layers, k]); the rows from `prompt_len` on are the
+    tokens fed to the decode steps. None when there is no decode step. What a decode step reads depends on it, and
+    random weights need not route as a trained model does: recorded so that a cell's time can be read with it."""
+    import numpy as np
+
+    rows = [np.asarray(r)[prompt_len:] for r in routes]
+    n = min((len(r) for r in rows), default=0)
+    if n == 0:
+        return None
+    a = np.stack([r[:n] for r in rows]).astype(np.int64)  # [B, steps, layers, k]
+    _, steps, layers, _ = a.shape
+    seen = np.zeros((steps, layers, int(a.max()) + 1), dtype=bool)
+    seen[np.arange(steps)[None, :, None, None], np.arange(layers)[None, None, :, None], a] = True
+    return round(float(seen.sum(-1).mean()), 2)
+
+
+def route_facts(outs, prompt_len: int, want: bool | None) -> dict:
+    """A rollout's routes: {"routes": whether every completion carried its experts} and, where they did and the
+    rollout decoded, {"decode_experts": `decode_experts`}. `want`: True (SPIRL's engine on a MoE, as training runs
+    it), False (plain vLLM, `-routes`) or None (a dense model: none either way); raises if the engine did otherwise,
+    so a row is never timed on an engine other than the one named."""
+    routes = [getattr(c, "routed_experts", None) for o in outs for c in o.outputs]
+    have = bool(routes) and all(r is not None for r in routes)
+    if want is not None and have != want or want is None and have:
+        raise RuntimeError(f"the engine returned {'routes' if have else 'no routes'}; expected "
+                           f"{'routes (SPIRL engine on a MoE)' if want else 'none'}")
+    if not have:
+        return {"routes": False}
+    return {"routes": True, "decode_experts": decode_experts(routes, prompt_len)}
 
 
 def worker(args) -> None:
@@ -228,6 +333,10 @@ def worker(args) -> None:
     cells = [sw.Cell(b, p, g) for b, p, g in parse_cases(args)]
     if args.sweep and args.deadline is None and not args.serve:
         raise SystemExit("error: a --sweep worker needs --deadline (the parent passes it)")
+    size = sw.ModelSize.from_config(json.loads((Path(args.model) / "config.json").read_text()))
+    want_routes = returns_routes(args.worker) if size.sparse_layers else None
+    routes: dict = {}
+    """The route facts of the last rollout that decoded (`route_facts`), added to the cell's row."""
     t0 = time.perf_counter()
     llm = build_llm(args.worker, args.model, args.gpu_memory_utilization, args.max_model_len)
     start = time.perf_counter() - t0
@@ -243,9 +352,15 @@ def worker(args) -> None:
             got = sum(len(c.token_ids) for o in outs for c in o.outputs)
             if got != batch * new:
                 raise RuntimeError(f"generated {got} tokens, expected {batch * new}")
+            facts = route_facts(outs, prompt_len, want_routes)
+            if new > 1 or not routes:
+                routes.clear()
+                routes.update(facts)
             return dt
 
         def emit(row: dict) -> None:
+            if row.get("kind", "cell") == "cell":  # the facts of its last rollout that decoded
+                row = {**row, **{k: v for k, v in routes.items() if k != "decode_experts" or row["new_tokens"] > 1}}
             print(json.dumps(row), flush=True)
 
         run(8, 64, 16, seed=10**6)  # warm-up: kernels compiled, graphs touched
@@ -262,11 +377,11 @@ def worker(args) -> None:
         from kernels import gemm_cublas
 
         emit({"kind": "engine", "engine_start_s": round(start, 1), "gpu": gpu,
-              "gpu_used_gib": round((total - free) / 2**30, 2), "gemm_checked": gemm_cublas.checked(), **facts})
+              "gpu_used_gib": round((total - free) / 2**30, 2), "gemm_checked": gemm_cublas.checked(),
+              "moe_tuned_config": moe_tuned_config(size), **facts})
         if args.serve:
             serve(run, builds, sys.stdin, emit)
             return
-        size = sw.ModelSize.from_config(json.loads((Path(args.model) / "config.json").read_text()))
         sweep_cells(run, cells, facts, size, sw.Deadline(at=args.deadline), args.repeats, args.split_prefill, builds, emit)
 
 
@@ -531,7 +646,7 @@ def sweep_paired(args, engines: list[str], cells: list[sw.Cell], run_id: str, t_
         for name in engines:
             served[name] = ServedEngine(name, paired_worker_cmd(name, args, len(engines)), worker_env(name))
             facts[name] = served[name].start(deadline.at - time.time() + GRACE_S)
-            sw.append_rows(args.results[0], [{**bases[name], **facts[name]}])
+            sw.append_rows(args.results[0], [{**bases[name], **facts[name], **args.provenance}])
             print(f"   {name:12s} {progress_line(facts[name])}", flush=True)
         for cell in cells:
             if not all(sw.fits_kv(cell, f.get("kv_tokens"), f.get("kv_block") or sw.KV_BLOCK_TOKENS)
@@ -575,6 +690,38 @@ def sweep_paired(args, engines: list[str], cells: list[sw.Cell], run_id: str, t_
     return 1 if failed else 0
 
 
+def provenance(argv: list[str]) -> dict:
+    """What an engine row records of the call: the checkout's commit (`+` when its tracked files differ from it;
+    None without git) and the command."""
+    def git(*cmd: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *cmd], capture_output=True, text=True, timeout=20,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+"
+    return {"commit": commit, "command": shlex.join(["python", "compare/bench_rollout.py", *argv])}
+
+
+def check_memory(args, size: sw.ModelSize, rates: sw.Rates, n_engines: int) -> None:
+    """Refuse, before anything starts, a sweep whose engines cannot hold the weights: with --paired every engine
+    holds them in 1/N of the memory share (Qwen3-30B-A3B's 56 GiB of bf16 weights twice do not leave a KV cache
+    on a 141 GB H200), and without it one engine holds them in all of it."""
+    share = memory_share(args, n_engines)
+    if sw.kv_tokens_estimate(size, rates, share) > 0:
+        return
+    need = (size.decode_weight_bytes + rates.reserved_bytes) / rates.gpu_bytes
+    raise SystemExit(f"error: the weights ({size.decode_weight_bytes / 2**30:.1f} GiB) and vLLM's "
+                     f"{rates.reserved_bytes / 2**30:.1f} GiB of activations leave no KV cache in "
+                     f"{share:.3f} of {rates.gpu_bytes / 2**30:.1f} GiB"
+                     + (": run without --paired (the engines one after the other, each with all of "
+                        "--gpu-memory-utilization)" if args.paired else
+                        f": raise --gpu-memory-utilization above {need:.2f}"))
+
+
 def shape_name(args) -> str:
     """What the results call the model: --shape for a random checkpoint, else the directory's name."""
     return args.shape if args.model is None else Path(args.model).name
@@ -611,7 +758,9 @@ def sweep(args, t_start: float) -> int:
                          f"name it and at least one other, e.g. ours,{sw.REFERENCE}")
     engines = [e for e in engines if e != sw.REFERENCE] + [sw.REFERENCE]
     cells = sweep_grid(args)
-    shape, size, rates = shape_name(args), model_size(args), sw.Rates()
+    gpu = sw.gpu_memory_bytes()
+    shape, size, rates = shape_name(args), model_size(args), sw.Rates(**({"gpu_bytes": gpu} if gpu else {}))
+    check_memory(args, size, rates, len(engines))
     needed = max(c.prompt_len + c.new_tokens for c in cells)
     if args.max_model_len < needed:
         print(f"max_model_len {args.max_model_len} -> {needed} (the grid's longest prompt + new tokens)")
@@ -621,11 +770,13 @@ def sweep(args, t_start: float) -> int:
     writes = args.model is None and not (Path(args.cache_dir) / f"bench-{args.shape}" / "config.json").is_file()
     budget = args.budget_s - (time.time() - t_start)
     pl = sw.plan(todo, size, rates, budget, len(engines), args.repeats, args.split_prefill,
-                 sw.kv_tokens_estimate(size, rates, memory_share(args, len(engines))), write_checkpoint=writes)
+                 sw.kv_tokens_estimate(size, rates, memory_share(args, len(engines))), write_checkpoint=writes,
+                 compiled=1)
     print(f"{shape}: grid {len(cells)} cells, {len(done)} done before, {len(todo)} to do; this call: {len(pl.cells)} "
           f"cells (estimate {pl.fixed_s:.0f} s of engine starts{' and checkpoint' if writes else ''} + "
           f"{pl.cells_s:.0f} s of cells, budget {budget:.0f} s); {len(pl.over_budget)} left for a later call; "
-          f"{len(pl.no_kv)} do not fit the KV cache (estimate)")
+          f"{len(pl.no_kv)} do not fit the KV cache (estimate, {rates.gpu_bytes / 2**30:.1f} GiB of GPU memory"
+          f"{'' if gpu else ': an H100 80GB assumed, nvidia-smi not found'})")
     if args.plan:
         for c in pl.cells:
             print(f"  {c}  {sw.cell_seconds(size, rates, c, args.repeats, args.split_prefill):7.1f} s per engine")
@@ -634,12 +785,14 @@ def sweep(args, t_start: float) -> int:
         return report(args)
     ensure_model(args)
     run_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{socket.gethostname()}-{os.getpid()}"
+    args.provenance = provenance(args.argv)
     if args.paired:
         return sweep_paired(args, engines, pl.cells, run_id, t_start, size, rates)
     failed = False
     measured: list[sw.Cell] = pl.cells
     for i, name in enumerate(engines):
-        deadline = time.time() + (t_start + args.budget_s - time.time()) / (len(engines) - i)
+        starts = [sw.engine_start_seconds(size, rates, compiled=e == sw.REFERENCE) for e in engines[i:]]
+        deadline = sw.engine_deadline(time.time(), t_start + args.budget_s, starts)
         got, in_flight = [], []
         base = {"run_id": run_id, "label": args.label, "shape": shape, "engine": name, "model": args.model}
 
@@ -649,7 +802,7 @@ def sweep(args, t_start: float) -> int:
                 in_flight[:] = [sw.Cell.of(row)]
                 return
             if kind in ("engine", "cell", "skip"):
-                sw.append_rows(args.results[0], [{**base, **row}])
+                sw.append_rows(args.results[0], [{**base, **row, **(args.provenance if kind == "engine" else {})}])
             if kind == "cell":
                 got.append(sw.Cell.of(row))
                 in_flight.clear()
@@ -790,7 +943,9 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     t_start = time.time()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    args.argv = argv
     if args.worker:
         worker(args)
         return 0

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -135,7 +136,9 @@ def grid(batches: list[int], prompts: list[int], new_tokens: int) -> list[Cell]:
 
 @dataclass(frozen=True)
 class ModelSize:
-    """What the estimate needs of a dense Qwen3 (config.json's fields)."""
+    """What the estimate needs of a Qwen3 or Qwen3-MoE (config.json's fields). A dense model has no
+    experts (`sparse_layers` 0); a Qwen3-MoE's sparse layers hold a router and `experts` experts of width
+    `moe_intermediate`, of which each token runs `experts_per_token`."""
 
     layers: int
     hidden: int
@@ -144,25 +147,82 @@ class ModelSize:
     kv_heads: int
     head_dim: int
     vocab: int
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    sparse_layers: int = 0
+    """Layers with experts: not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (the rule of
+    transformers' and vLLM's Qwen3-MoE, torchtitan_compat.config.sparse_layer_ids); 0 for a dense Qwen3."""
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelSize":
         """From an HF config.json dict (or torchtitan_compat.config.hf_config_for_shape's)."""
-        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        return cls(layers=cfg["num_hidden_layers"], hidden=hidden, intermediate=cfg["intermediate_size"],
+        hidden, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        moe = {}
+        if cfg.get("model_type") == "qwen3_moe":
+            step, dense_only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+            moe = {"experts": cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
+                   "experts_per_token": cfg["num_experts_per_tok"], "moe_intermediate": cfg["moe_intermediate_size"],
+                   "sparse_layers": sum(i not in dense_only and (i + 1) % step == 0 for i in range(layers))}
+            if not moe["experts"]:
+                moe["sparse_layers"] = 0
+        return cls(layers=layers, hidden=hidden, intermediate=cfg["intermediate_size"],
                    heads=heads, kv_heads=cfg.get("num_key_value_heads", heads),
-                   head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg["vocab_size"])
+                   head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg["vocab_size"], **moe)
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's weights: gate, up and down, 3 * d * I_moe."""
+        return 3 * self.hidden * self.moe_intermediate
+
+    def _layer_params(self, experts_each: float) -> float:
+        d, dq = self.hidden, self.heads * self.head_dim
+        attention = d * (dq + 2 * self.kv_heads * self.head_dim) + dq * d
+        dense_mlp = (self.layers - self.sparse_layers) * 3 * d * self.intermediate
+        sparse = self.sparse_layers * (d * self.experts + experts_each * self.expert_params)
+        return self.layers * attention + dense_mlp + sparse
 
     @property
     def layer_params(self) -> int:
-        """Linear weights of all decoder layers: L * (d*(Hq+2Hkv)*D + Hq*D*d + 3*d*I) (qkv, o, gate_up, down)."""
-        d, dq = self.hidden, self.heads * self.head_dim
-        return self.layers * (d * (dq + 2 * self.kv_heads * self.head_dim) + dq * d + 3 * d * self.intermediate)
+        """Linear weights of all decoder layers: L * (d*(Hq+2Hkv)*D + Hq*D*d) (qkv, o) plus 3*d*I (gate_up,
+        down) per dense layer and the router d*E and E experts of 3*d*I_moe per sparse layer."""
+        return int(self._layer_params(self.experts))
+
+    @property
+    def active_layer_params(self) -> int:
+        """Decoder weights one token runs through: layer_params with k experts per sparse layer in place of E."""
+        return int(self._layer_params(self.experts_per_token))
 
     @property
     def decode_weight_bytes(self) -> int:
-        """bf16 bytes a decode step reads: 2 * (layer_params + vocab * d) (lm_head included)."""
+        """bf16 bytes of the weights, 2 * (layer_params + vocab * d) (lm_head included, the embedding not): what
+        an engine loads and, for a dense model, what every decode step reads."""
         return 2 * (self.layer_params + self.vocab * self.hidden)
+
+    @property
+    def active_weight_bytes(self) -> int:
+        """bf16 bytes of the weights one token runs through (a MoE's top-k experts only; dense: all): a decode
+        row's FLOPs are this many (2 * params)."""
+        return 2 * (self.active_layer_params + self.vocab * self.hidden)
+
+    def experts_read(self, tokens: int) -> float:
+        """Experts of one sparse layer that `tokens` tokens route to, expected for routes drawn uniformly:
+        E * (1 - (1 - k/E)^T) (8 at one token of 30B-A3B, 52 at 8, 126 at 64). Uniform routes reach the most
+        experts; any other routing (a trained model's, a random one's) reaches fewer, so the estimate is on the
+        slow side."""
+        if not self.sparse_layers:
+            return 0.0
+        return self.experts * (1 - (1 - self.experts_per_token / self.experts) ** max(tokens, 0))
+
+    def step_weight_bytes(self, tokens: int) -> int:
+        """bf16 bytes an engine step of `tokens` tokens reads: every weight of a dense model; of a MoE the
+        experts its tokens route to (`experts_read`) and every other weight."""
+        every = self.expert_bytes(self.experts)
+        return int(self.decode_weight_bytes - every + self.expert_bytes(self.experts_read(tokens)))
+
+    def expert_bytes(self, experts_each: float) -> float:
+        """bf16 bytes of `experts_each` experts in every sparse layer."""
+        return 2 * self.sparse_layers * experts_each * self.expert_params
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -190,6 +250,9 @@ class Rates:
     prefill_flops_per_s: float = 5.0e14
     """Prefill: 1.7B's 131k prompt tokens took 952 ms (~400 TFLOP/s, first profile); the persistent GEMM
     ran at ~680 TFLOP/s at thousands of rows (fourth run)."""
+    moe_prefill_flops_per_s: float = 2.5e14
+    """A MoE's expert GEMMs in a prefill (vLLM's fused_moe_kernel): not measured, half the dense rate (each of
+    30B-A3B's experts gets 1/16 of the tokens, in row tiles padded per expert)."""
     kv_bytes_per_s: float = 2.5e12
     """KV cache read by decode attention (HBM3 3.35 TB/s peak; FA3 took 60 % of plain's 9.0 ms b256 step)."""
     per_sequence_s: float = 6e-6
@@ -202,19 +265,27 @@ class Rates:
     at 1.7B, 82 s at 8B, the profiles' second and third runs)."""
     engine_start_s_per_weight_gb: float = 2.0
     """Start time per GB of bf16 weights (loading, and torch.compile's longer graphs at 8B)."""
+    compile_start_s: float = 30.0
+    """What plain vLLM's start adds to it, cold: torch.compile (66 s at 1.7B against SPIRL's engine's 47.6-53.2 s;
+    82 s at 8B) and, on a MoE, its fused-MoE kernels JIT-compiled for each of its tuned configs; rounded up for a
+    48-layer MoE, not measured there."""
+    weight_load_s_per_gb: float = 0.5
+    """Start time per GB of a MoE's experts beyond the ones a token runs (loading only; their kernels and graphs
+    are the active ones'): not measured, a guess on the slow side for safetensors read from the page cache."""
     checkpoint_s_per_gb: float = 3.0
     """Writing the random checkpoint (weights.py --random) when the call has none yet."""
     gpu_bytes: float = 81559 * 2**20
-    """An H100 80GB HBM3's memory (nvidia-smi: 81559 MiB)."""
+    """An H100 80GB HBM3's memory (nvidia-smi: 81559 MiB); the sweep uses its GPU's own (`gpu_memory_bytes`)."""
     reserved_bytes: float = 6e9
     """What vLLM keeps besides weights and KV cache (activations of its 16,384-token profile run, graphs)."""
 
 
 def decode_step_seconds(size: ModelSize, rates: Rates, batch: int, context: float) -> float:
     """One decode step of `batch` rows at `context` tokens each:
-    max(floor, W / bw_w, B * 2 * params / flops) + B * context * kv_bytes / bw_kv + B * per_sequence."""
-    gemm = max(rates.step_floor_s, size.decode_weight_bytes / rates.weight_bytes_per_s,
-               batch * size.decode_weight_bytes / rates.gemm_flops_per_s)  # 2 * params == bf16 bytes
+    max(floor, W / bw_w, B * 2 * params / flops) + B * context * kv_bytes / bw_kv + B * per_sequence,
+    where a MoE's W is the weights its B tokens route to and its params those one token runs through."""
+    gemm = max(rates.step_floor_s, size.step_weight_bytes(batch) / rates.weight_bytes_per_s,
+               batch * size.active_weight_bytes / rates.gemm_flops_per_s)  # 2 * params == bf16 bytes
     attention = batch * context * size.kv_bytes_per_token / rates.kv_bytes_per_s
     return gemm + attention + batch * rates.per_sequence_s
 
@@ -222,13 +293,19 @@ def decode_step_seconds(size: ModelSize, rates: Rates, batch: int, context: floa
 def prefill_seconds(size: ModelSize, rates: Rates, batch: int, prompt_len: int,
                     chunk_tokens: int = H100_MAX_NUM_BATCHED_TOKENS) -> float:
     """The prefill of `batch` prompts of P tokens: B * P * (2 * params + 2 * L * Hq * D * P) FLOPs
-    (linears, then causal attention over P/2 keys on average) at the prefill rate, plus one step floor
-    per chunk of `chunk_tokens`, plus the host's prompt handling."""
+    (linears, then causal attention over P/2 keys on average; a MoE's params those one token runs through) at
+    the prefill rate (a MoE's experts at their own), plus one step floor per chunk of `chunk_tokens`, plus the
+    host's prompt handling; for a MoE also each chunk's read of the experts its tokens route to (at 16 prompt
+    tokens 82 of 30B-A3B's 128 experts a layer: the weights, not the FLOPs, are a short prefill's cost)."""
     tokens = batch * prompt_len
     attention = 2 * size.layers * size.heads * size.head_dim * prompt_len
-    flops = tokens * (2 * size.layer_params + attention) + batch * 2 * size.vocab * size.hidden
+    experts_flops = tokens * size.expert_bytes(size.experts_per_token)  # 2 * params == bf16 bytes
+    flops = tokens * (2 * size.active_layer_params + attention) + batch * 2 * size.vocab * size.hidden - experts_flops
     chunks = math.ceil(tokens / chunk_tokens)
-    return flops / rates.prefill_flops_per_s + chunks * rates.step_floor_s + tokens * rates.prompt_token_s
+    full, rest = divmod(tokens, chunk_tokens)
+    experts = full * size.expert_bytes(size.experts_read(chunk_tokens)) + size.expert_bytes(size.experts_read(rest))
+    return (flops / rates.prefill_flops_per_s + experts_flops / rates.moe_prefill_flops_per_s
+            + chunks * rates.step_floor_s + tokens * rates.prompt_token_s + experts / rates.weight_bytes_per_s)
 
 
 def rollout_seconds(size: ModelSize, rates: Rates, cell: Cell, new_tokens: int | None = None) -> float:
@@ -254,9 +331,30 @@ def cell_seconds(size: ModelSize, rates: Rates, cell: Cell, repeats: int, split_
     return rollout_seconds(size, rates, cell, min(cell.new_tokens, WARMUP_NEW_TOKENS)) + repeats * timed
 
 
-def engine_start_seconds(size: ModelSize, rates: Rates) -> float:
-    """One engine's start: the base start plus a part that grows with the weights."""
-    return rates.engine_start_s + rates.engine_start_s_per_weight_gb * size.decode_weight_bytes / 1e9
+def engine_start_seconds(size: ModelSize, rates: Rates, compiled: bool = False) -> float:
+    """One engine's start: the base start plus a part that grows with the weights a token runs through (its
+    graphs' work); a MoE's other experts add only their loading; `compiled` (plain vLLM's torch.compile) adds
+    `Rates.compile_start_s`."""
+    idle_experts = size.decode_weight_bytes - size.active_weight_bytes
+    return (rates.engine_start_s + rates.engine_start_s_per_weight_gb * size.active_weight_bytes / 1e9
+            + rates.weight_load_s_per_gb * idle_experts / 1e9 + (rates.compile_start_s if compiled else 0.0))
+
+
+def gpu_memory_bytes(run=subprocess.run) -> float | None:
+    """The memory of the GPUs this process may use (nvidia-smi's memory.total of each, the smallest; the first
+    CUDA_VISIBLE_DEVICES entry where it names one by index), in bytes; None where nvidia-smi is not there or says
+    nothing usable (the estimate then assumes `Rates.gpu_bytes`, an H100's). The parent never initializes CUDA
+    itself: its workers need all of the GPU's memory."""
+    cmd = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if first.isdigit():
+        cmd.append(f"--id={first}")
+    try:
+        out = run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout
+        mib = [float(v) for v in out.split()]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return min(mib) * 2**20 if mib else None
 
 
 def kv_tokens_estimate(size: ModelSize, rates: Rates, gpu_memory_utilization: float) -> int:
@@ -299,11 +397,12 @@ class Plan:
 
 
 def plan(cells: list[Cell], size: ModelSize, rates: Rates, budget_s: float, n_engines: int, repeats: int,
-         split_prefill: bool, kv_tokens: int | None, write_checkpoint: bool = False) -> Plan:
+         split_prefill: bool, kv_tokens: int | None, write_checkpoint: bool = False, compiled: int = 0) -> Plan:
     """Take cells in the given (grid) order while the estimate stays within `budget_s`:
-    checkpoint + n_engines * (start + sum of cell_seconds) <= budget_s. A cell that does not fit is left
-    for later and smaller ones after it may still be taken."""
-    fixed = n_engines * engine_start_seconds(size, rates)
+    checkpoint + n_engines * (start + sum of cell_seconds) <= budget_s, `compiled` of the engines starting
+    with torch.compile (`engine_start_seconds`). A cell that does not fit is left for later and smaller ones
+    after it may still be taken."""
+    fixed = n_engines * engine_start_seconds(size, rates) + compiled * rates.compile_start_s
     if write_checkpoint:
         fixed += rates.checkpoint_s_per_gb * size.decode_weight_bytes / 1e9
     kept, over, no_kv, used = [], [], [], fixed
@@ -318,6 +417,15 @@ def plan(cells: list[Cell], size: ModelSize, rates: Rates, budget_s: float, n_en
         else:
             over.append(cell)
     return Plan(cells=kept, over_budget=over, no_kv=no_kv, fixed_s=fixed, cells_s=used - fixed)
+
+
+def engine_deadline(now: float, end: float, starts: list[float]) -> float:
+    """The deadline of the next engine of a sweep whose engines run one after the other: `starts` are the start
+    estimates of it and of the engines after it, which run the cells it measured. Each gets its own start and an
+    equal share of the rest, now + starts[0] + (end - now - sum(starts)) / len(starts) (with equal starts,
+    (end - now) / len(starts) from now), so an engine that starts fast does not measure cells that a slower one
+    after it has no time left for (plain vLLM's torch.compile: `Rates.compile_start_s`). Never after `end`."""
+    return min(now + starts[0] + max(end - now - sum(starts), 0.0) / len(starts), end)
 
 
 @dataclass

@@ -117,15 +117,20 @@ def test_time_cell_warms_up_then_times_fresh_prompts_and_counts_triton_builds():
 def test_engine_facts_read_vllms_config_and_tolerate_its_absence():
     cfg = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_capture_sizes=[8, 1, 4, 2],
                                                               cudagraph_mode="FULL_DECODE_ONLY"),
-                          scheduler_config=SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=16384),
-                          cache_config=SimpleNamespace(kv_cache_size_tokens=None, num_gpu_blocks=1000, block_size=16))
+                          scheduler_config=SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=16384,
+                                                           async_scheduling=True),
+                          cache_config=SimpleNamespace(kv_cache_size_tokens=None, num_gpu_blocks=1000, block_size=16),
+                          model_config=SimpleNamespace(enable_return_routed_experts=False), use_v2_model_runner=False)
     facts = bench_rollout.engine_facts(SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=cfg)))
     assert facts == {"capture_sizes": [1, 2, 4, 8], "cudagraph_mode": "FULL_DECODE_ONLY", "max_num_seqs": 1024,
-                     "max_num_batched_tokens": 16384, "kv_tokens": 16000, "kv_block": 16}
+                     "max_num_batched_tokens": 16384, "kv_tokens": 16000, "kv_block": 16, "returns_routes": False,
+                     "async_scheduling": True, "v2_model_runner": False}  # False is a fact, not an absence
     cfg.cache_config.kv_cache_size_tokens = 15000
     assert bench_rollout.engine_facts(SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=cfg)))["kv_tokens"] == 15000
     assert bench_rollout.engine_facts(object()) == {"capture_sizes": [], "cudagraph_mode": "None", "max_num_seqs": None,
-                                                    "max_num_batched_tokens": None, "kv_tokens": None, "kv_block": None}
+                                                    "max_num_batched_tokens": None, "kv_tokens": None, "kv_block": None,
+                                                    "returns_routes": None, "async_scheduling": None,
+                                                    "v2_model_runner": None}
 
 
 def test_sweep_worker_loop_skips_stops_and_times():
@@ -543,3 +548,164 @@ def test_build_llm_refuses_a_process_whose_batch_invariant_mode_is_not_the_engin
     monkeypatch.delenv("VLLM_BATCH_INVARIANT")
     with pytest.raises(SystemExit, match=r"needs VLLM_BATCH_INVARIANT=1 in this process \(it is unset\)"):
         build_llm("ours:full", "/nonexistent", 0.8, 128)
+
+
+# -- Qwen3-MoE (issue 64): routes returned as training runs the engine, one engine on the GPU at a time ----------
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu_memory_query(monkeypatch):
+    """The plan's GPU memory is an H100's here whether or not this host has nvidia-smi (tests that want another
+    set their own)."""
+    monkeypatch.setattr(sw, "gpu_memory_bytes", lambda: None)
+
+
+@pytest.fixture
+def moe_dir(tmp_path):
+    d = tmp_path / "Qwen3-30B-A3B"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(hf_config_for_shape("Qwen3-30B-A3B")))
+    return d
+
+
+def test_the_engine_without_routes_is_named_and_built_without_them(monkeypatch):
+    from spirl.engines.vllm_engine import VLLMEngineConfig
+
+    assert bench_rollout.engine_options("ours-routes") == {"cuda_graphs": VLLMEngineConfig.cuda_graphs}
+    assert bench_rollout.engine_options("ours:none@vllm-routes+triton")["cuda_graph_sizes"] is None
+    assert [bench_rollout.returns_routes(n) for n in ("ours", "ours:full@1024+triton", "ours-routes",
+                                                        "ours-routes+triton", "plain")] == [True, True, False, False,
+                                                                                            False]
+    for bad in ("ours-routes@1024", "ours+triton-routes", "plain-routes", "ours-route"):
+        with pytest.raises(SystemExit, match="error: engine"):
+            bench_rollout.engine_options(bad)
+    assert bench_rollout.worker_env("ours-routes")["VLLM_BATCH_INVARIANT"] == "1"
+
+    made = []
+
+    class LLM:  # vllm.LLM's stand-in: records what it was asked for
+        def __init__(self, model, **kw):
+            made.append(kw)
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=LLM))
+
+    def engine():  # VLLMEngine's way: `from vllm import LLM` when it is built
+        from vllm import LLM as built
+
+        return built(model="m", enable_return_routed_experts=True, seed=0)
+
+    bench_rollout.without_routes(engine)
+    engine()
+    assert made == [{"seed": 0}, {"enable_return_routed_experts": True, "seed": 0}]
+    assert sys.modules["vllm"].LLM is LLM  # put back
+
+
+def _routes(prompt_len, experts):
+    """One sequence's routes as vLLM returns them, [prompt + new - 1, layers 2, k 2]: the prompt's rows all expert 0,
+    then the decode steps' rows `experts` ([step][layer] -> (a, b))."""
+    import numpy as np
+
+    prompt = np.zeros((prompt_len, 2, 2), dtype=np.uint8)
+    return np.concatenate([prompt, np.array(experts, dtype=np.uint8)])
+
+
+def test_decode_experts_counts_distinct_experts_per_step_and_layer():
+    import numpy as np
+
+    a = _routes(3, [[(1, 2), (3, 4)], [(1, 2), (5, 6)]])
+    b = _routes(3, [[(2, 7), (3, 4)], [(1, 2), (1, 2)]])
+    # step 0: layer 0 {1, 2, 7} 3, layer 1 {3, 4} 2; step 1: layer 0 {1, 2} 2, layer 1 {5, 6, 1, 2} 4
+    assert bench_rollout.decode_experts([a, b], 3) == (3 + 2 + 2 + 4) / 4
+    assert bench_rollout.decode_experts([a], 3) == 2.0  # one sequence: its k experts
+    assert bench_rollout.decode_experts([a[:3]], 3) is None  # one new token: no decode step
+    out = [SimpleNamespace(outputs=[SimpleNamespace(routed_experts=r)]) for r in (a, b)]
+    assert bench_rollout.route_facts(out, 3, True) == {"routes": True, "decode_experts": 2.75}
+    bare = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1])])]
+    assert bench_rollout.route_facts(bare, 3, False) == bench_rollout.route_facts(bare, 3, None) == {"routes": False}
+    with pytest.raises(RuntimeError, match="returned no routes; expected routes"):
+        bench_rollout.route_facts(bare, 3, True)  # SPIRL's engine not as training runs it
+    with pytest.raises(RuntimeError, match="returned routes; expected none"):
+        bench_rollout.route_facts(out, 3, False)
+    with pytest.raises(RuntimeError, match="returned routes; expected none"):
+        bench_rollout.route_facts(out, 3, None)
+    assert np.asarray(a).dtype == np.uint8  # vLLM's dtype for 128 experts
+
+
+class FakeMoELLM(FakeLLM):
+    """FakeLLM that returns routes: experts (step + sequence) % 4 and 4 + that, in every layer (2 layers, k 2)."""
+
+    def generate(self, prompts, params, use_tqdm):
+        import numpy as np
+
+        outs = super().generate(prompts, params, use_tqdm)
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            rows = len(p["prompt_token_ids"]) + params.max_tokens - 1
+            e = (np.arange(rows)[:, None, None] + i) % 4 + np.array([0, 4])[None, None, :]
+            o.outputs[0].routed_experts = np.broadcast_to(e, (rows, 2, 2)).astype(np.uint8)
+        return outs
+
+
+def test_worker_on_a_moe_records_the_routes_and_refuses_an_engine_without_them(fake_vllm, monkeypatch, moe_dir,
+                                                                                   capsys):
+    llm = FakeMoELLM()
+    monkeypatch.setattr(bench_rollout, "build_llm", lambda *a: llm)
+    argv = ["--worker", "ours", "--sweep", "--model", str(moe_dir), "--cases", "2x16x4,1x16x4,2x16x1",
+            "--deadline", str(time.time() + 300), "--repeats", "1"]
+    assert bench_rollout.main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[0]["kind"] == "engine" and rows[0]["moe_tuned_config"].startswith("?")  # no vLLM here: said so
+    cells = {(r["batch"], r["new_tokens"]): r for r in rows if r["kind"] == "cell"}
+    # 2 sequences: steps differ by one, so each step's 4 slots hold 4 experts; 1 sequence: its 2
+    assert cells[(2, 4)]["routes"] is True and cells[(2, 4)]["decode_experts"] == 4.0
+    assert cells[(1, 4)]["decode_experts"] == 2.0
+    assert cells[(2, 1)]["routes"] is True and "decode_experts" not in cells[(2, 1)]  # no decode step: no count
+    with pytest.raises(RuntimeError, match="returned routes; expected none"):
+        bench_rollout.main(["--worker", "plain", *argv[2:]])  # plain vLLM returning routes is not plain vLLM
+    monkeypatch.setattr(bench_rollout, "build_llm", lambda *a: FakeLLM())
+    with pytest.raises(RuntimeError, match="returned no routes; expected routes"):
+        bench_rollout.main(argv)  # SPIRL's engine on a MoE must return them, as training runs it
+
+
+def test_a_moe_sweep_runs_one_engine_at_a_time_and_records_the_call(monkeypatch, tmp_path, moe_dir, capsys):
+    monkeypatch.setattr(sw, "gpu_memory_bytes", lambda: 143771 * 2**20)  # an H200
+    results = tmp_path / "moe.jsonl"
+    argv = ["--sweep", "--model", str(moe_dir), "--results", str(results), "--grid-batches", "1,8,64,256",
+            "--grid-prompts", "16,512,4096", "--goal", "1.1"]
+    with pytest.raises(SystemExit, match="leave no KV cache in 0.425 of 140.4 GiB: run without --paired"):
+        bench_rollout.main([*argv, "--paired"])  # both engines' 56 GiB of weights do not fit at once
+    with pytest.raises(SystemExit, match=r"raise --gpu-memory-utilization above 0\.4[0-9]"):
+        bench_rollout.main([*argv, "--gpu-memory-utilization", "0.4"])
+    assert bench_rollout.main([*argv, "--plan", "--budget-s", "340"]) == 0
+    out = capsys.readouterr().out
+    assert "this call: 10 cells" in out and "1 left for a later call; 1 do not fit the KV cache" in out
+    assert "140.4 GiB of GPU memory" in out and "  64x512x64 " in out and "  64x4096x64 " not in out
+
+    fake = FakeEngines()
+    seen = {}
+
+    def one_at_a_time(name, args, cells, deadline, on_row):
+        seen[name] = (args.gpu_memory_utilization, deadline - time.time())
+        return fake(name, args, cells, deadline, on_row)
+
+    monkeypatch.setattr(bench_rollout, "run_sweep_engine", one_at_a_time)
+    SECONDS["ours"][64], SECONDS["plain"][64] = 1.0, 1.0
+    try:
+        assert bench_rollout.main([*argv, "--budget-s", "400"]) == 0
+    finally:
+        del SECONDS["ours"][64], SECONDS["plain"][64]
+    assert [n for n, _ in fake.given] == ["ours", "plain"]  # one after the other, each with all of the share
+    assert seen["ours"][0] == seen["plain"][0] == 0.85
+    assert seen["ours"][1] < 400 / 2  # plain's torch.compile start is left to it
+    rows = sw.load_rows([results])
+    engines = [r for r in rows if r["kind"] == "engine"]
+    assert len(engines) == 2 and all(r["command"].startswith("python compare/bench_rollout.py --sweep --model ")
+                                     for r in engines)
+    assert all("commit" in r for r in engines) and not any("command" in r for r in rows if r["kind"] == "cell")
+    assert "Qwen3-30B-A3B: ours / plain, 11 cells" in capsys.readouterr().out
+
+
+def test_provenance_names_the_commit_and_the_command():
+    got = bench_rollout.provenance(["--sweep", "--label", "a b"])
+    assert got["command"] == "python compare/bench_rollout.py --sweep --label 'a b'"
+    if got["commit"] is not None:  # a git checkout
+        assert len(got["commit"].rstrip("+")) == 12

@@ -227,3 +227,85 @@ def test_spread_is_a_percentage_of_the_median_and_a_dash_where_undefined():
     assert sw.spread({"seconds_each": [0.9, 1.0, 1.2]}) == "30.0%"
     assert sw.spread({"seconds_each": [1.0]}) == "-" and sw.spread({}) == "-"
     assert sw.spread({"seconds_each": [0.0, 0.0, 0.0001]}) == "-"  # runs that rounded to 0 s: no division by 0
+
+
+# -- Qwen3-MoE (issue 64): the estimate counts the experts a step reads -------------------------------------
+
+SIZE_MOE = sw.ModelSize.from_config(hf_config_for_shape("Qwen3-30B-A3B"))
+H200 = sw.Rates(gpu_bytes=143771 * 2**20)  # nvidia-smi's memory.total of an H200, MiB
+
+
+def test_moe_model_size_counts_every_expert_and_a_tokens_k():
+    m = SIZE_MOE
+    assert (m.experts, m.experts_per_token, m.moe_intermediate, m.sparse_layers) == (128, 8, 768, 48)
+    norms = 48 * (2 * 2048 + 2 * 128) + 2048
+    assert m.layer_params + 2 * m.vocab * m.hidden + norms == 30_532_122_624  # docs/moe.md's parameter count
+    assert m.active_layer_params == 48 * (2048 * (4096 + 1024) + 4096 * 2048 + 2048 * 128 + 8 * 3 * 2048 * 768)
+    assert m.experts_read(1) == 8 and round(m.experts_read(8), 1) == 51.6 and m.experts_read(64) > 125
+    assert m.experts_read(0) == 0 and m.step_weight_bytes(1) == m.active_weight_bytes
+    assert m.step_weight_bytes(10**6) == m.decode_weight_bytes  # every expert read
+    assert 60.4 < m.decode_weight_bytes / 1e9 < 60.5 and 6.0 < m.active_weight_bytes / 1e9 < 6.1
+    # decoder_sparse_step and mlp_only_layers pick the sparse layers as transformers and vLLM do
+    cfg = {**hf_config_for_shape("Qwen3-30B-A3B"), "decoder_sparse_step": 2, "mlp_only_layers": [1, 2]}
+    assert sw.ModelSize.from_config(cfg).sparse_layers == 23  # layers 3, 5, ..., 47
+    assert sw.ModelSize.from_config({**cfg, "num_experts": 0}).sparse_layers == 0
+
+
+def test_a_dense_models_estimate_is_unchanged_by_the_moe_terms():
+    for size in (SIZE_17, SIZE_8):
+        assert size.sparse_layers == 0 and size.experts_read(256) == 0
+        assert size.active_weight_bytes == size.decode_weight_bytes == size.step_weight_bytes(1)
+        assert size.active_layer_params == size.layer_params
+    assert sw.engine_start_seconds(SIZE_8, sw.Rates()) == 60.0 + 2.0 * SIZE_8.decode_weight_bytes / 1e9
+    assert sw.engine_start_seconds(SIZE_8, sw.Rates(), True) == sw.engine_start_seconds(SIZE_8, sw.Rates()) + 30
+
+
+def test_moe_estimate_and_the_plan_of_the_issue_64_grid():
+    """30B-A3B: a decode step reads 8 experts a layer at batch 1 and nearly all 128 at 64; its start counts the
+    loading of all 60 GB but the graphs of the 6 GB a token runs through; on an H200 at 0.85 every cell of batches
+    1-256 x prompts 16-4,096 fits the KV cache but 256 x 4,096 (1.07M tokens at 96 KiB each)."""
+    m, r = SIZE_MOE, H200
+    steps = [sw.decode_step_seconds(m, r, b, 600) for b in (1, 8, 64, 256)]
+    assert steps == sorted(steps) and steps[0] < 3.2e-3 and steps[2] > 30e-3
+    assert 95 < sw.engine_start_seconds(m, r) < 105  # the weights' GB alone would say 60 + 2 x 60 = 181 s
+    short = sw.prefill_seconds(m, r, 1, 16)  # a 16-token prefill reads 82 of 128 experts a layer
+    assert short > m.expert_bytes(m.experts_read(16)) / r.weight_bytes_per_s
+    kv = sw.kv_tokens_estimate(m, r, 0.85)
+    assert 600_000 < kv < 650_000 and m.kv_bytes_per_token == 98304
+    assert sw.kv_tokens_estimate(m, sw.Rates(), 0.85) < 70_000  # an H100's memory: what the plan assumed before
+    cells = sw.grid([1, 8, 64, 256], [16, 512, 4096], 64)
+    pl = sw.plan(cells, m, r, 340, 2, 2, False, kv, compiled=1)
+    assert [str(c) for c in pl.no_kv] == ["256x4096x64"] and [str(c) for c in pl.over_budget] == ["64x4096x64"]
+    assert len(pl.cells) == 10 and pl.fixed_s == 2 * sw.engine_start_seconds(m, r) + 30
+    assert len(sw.plan(cells, m, r, 400, 2, 2, False, kv, compiled=1).cells) == 11
+
+
+def test_engine_deadline_leaves_the_later_engines_their_start():
+    assert sw.engine_deadline(100.0, 400.0, [50.0, 50.0]) == 250.0  # equal starts: half of what is left
+    d = sw.engine_deadline(100.0, 400.0, [50.0, 80.0])  # the next one starts 30 s slower
+    assert d == 100 + 50 + (300 - 130) / 2 and d < 250.0
+    assert sw.engine_deadline(100.0, 400.0, [80.0]) == 400.0  # the last engine: the end
+    assert sw.engine_deadline(100.0, 170.0, [50.0, 80.0]) == 150.0  # no time for cells: its start only
+    assert sw.engine_deadline(100.0, 120.0, [50.0, 80.0]) == 120.0  # never past the end
+
+
+def test_gpu_memory_from_nvidia_smi(monkeypatch):
+    calls = []
+
+    def run(out):
+        def fake(cmd, **kw):
+            calls.append(cmd)
+            if isinstance(out, BaseException):
+                raise out
+            return type("Done", (), {"stdout": out})()
+        return fake
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert sw.gpu_memory_bytes(run("143771\n")) == 143771 * 2**20 and "--id" not in " ".join(calls[-1])
+    assert sw.gpu_memory_bytes(run("143771\n81559\n")) == 81559 * 2**20  # the smallest
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    sw.gpu_memory_bytes(run("143771\n"))
+    assert calls[-1][-1] == "--id=3"
+    assert sw.gpu_memory_bytes(run(FileNotFoundError("nvidia-smi"))) is None
+    assert sw.gpu_memory_bytes(run("No devices were found\n")) is None
+    assert sw.gpu_memory_bytes(run("")) is None
