@@ -21,6 +21,8 @@ the engine's.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -28,15 +30,19 @@ import batch_invariant_backward as bib
 from batch_invariant_backward import _mm, compute_dtype
 
 
-def _expert_segments(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[tuple[int, slice]]]:
-    """(perm, segments): the (token, slot) rows t*k + j grouped by expert with a stable sort (order: expert,
-    then t, then j), and (expert, its rows of perm) for every expert that took some. Every reduction over an
-    expert's rows follows this order, never the order of vLLM's atomically built `sorted_token_ids`."""
+def _expert_order(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, counts): the (token, slot) rows t*k + j grouped by expert with a stable sort (order: expert, then t,
+    then j), and the rows each expert took, counts [E] (on the device). Every reduction over an expert's rows
+    follows this order, never the order of vLLM's atomically built `sorted_token_ids`."""
     flat = ids.reshape(-1).long()
-    perm = torch.sort(flat, stable=True).indices
-    ends = torch.bincount(flat, minlength=num_experts).cumsum(0).tolist()
+    return torch.sort(flat, stable=True).indices, torch.bincount(flat, minlength=num_experts)
+
+
+def _segments(counts: torch.Tensor) -> list[tuple[int, slice]]:
+    """(expert, its rows of perm) for every expert that took some (the counts read on the host)."""
+    ends = counts.cumsum(0).tolist()
     starts = [0] + ends[:-1]
-    return perm, [(e, slice(a, b)) for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
+    return [(e, slice(a, b)) for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
 
 
 class RouteFunction(torch.autograd.Function):
@@ -73,6 +79,26 @@ class RouteFunction(torch.autograd.Function):
         return dz.to(z.dtype), None, None, None
 
 
+GROUPED_BACKWARD = True
+"""ExpertsFunction's backward runs as grouped GEMMs wherever `grouped_backward_runs` allows; False forces the
+per-expert loop everywhere (compare/bench_trainer.py times both, tests/gpu/test_moe_ops.py compares them)."""
+
+
+def grouped_backward_runs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """True where ExpertsFunction's backward takes the grouped path: GROUPED_BACKWARD on, torch has `_grouped_mm`,
+    CUDA tensors on a GPU of compute capability 9.x or 10.x (the GPUs torch builds its CUTLASS bf16 grouped kernel
+    for; on others it would loop over the groups itself), x and both weights bf16, the weights contiguous at
+    16-byte aligned addresses, and D and I multiples of 8 (rows of 16 bytes: the kernel's TMA loads need 16-byte
+    aligned strides and group starts)."""
+    if not (GROUPED_BACKWARD and hasattr(torch, "_grouped_mm") and x.is_cuda):
+        return False
+    if any(t.dtype != torch.bfloat16 for t in (x, w13, w2)) or x.shape[-1] % 8 or w2.shape[-1] % 8:
+        return False
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (w13, w2)):
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+
+
 class ExpertsFunction(torch.autograd.Function):
     """y = backend.moe_experts(x, W13, W2, w, ids) (the module docstring's c1..y).
 
@@ -83,8 +109,32 @@ class ExpertsFunction(torch.autograd.Function):
         dc1    = SwiGLU backward of c1[t, j] at da     (bib.SiluAndMulFunction's math)
         dx_t   = sum_j dc1 W13[e]                      (per slot, then summed over j in slot order, fp32)
         dW2[e] = sum over e's rows of (w dy)^T a,  dW13[e] = sum over e's rows of dc1^T x_t
-    Rows are grouped by expert with a stable sort (`_expert_segments`); each expert's GEMMs run over
-    its rows in that order; results are written back to distinct rows (no atomics, no index_add).
+    The T*k rows are sorted by expert with a stable sort (`_expert_order`), so expert e owns one contiguous block
+    of rows r_e, and the GEMMs come in two pairs (`experts_backward`), each a row product and a weight product:
+        V[r_e] = dY[r_e] W2[e],      dW2[e]  = (w dY)[r_e]^T A[r_e]
+        G[r_e] = dC1[r_e] W13[e],    dW13[e] = dC1[r_e]^T X[r_e]        (dx_t = sum over j of G at row (t, j))
+    Results go back to distinct rows (no atomics, no index_add); an expert without rows gets dW = 0.
+
+    Two paths compute the pairs, the same math:
+      grouped (`grouped_backward_runs`: CUDA, bf16, compute capability 9.x/10.x) - each product is one
+        torch._grouped_mm call over all experts, as torchtitan 0.2.2's MoE calls it: 2D x 3D with
+        offs = cumsum(counts) for the row products, 2D x 2D with the same offs (the contraction split by expert)
+        for the weight products. bf16 operands, fp32 accumulation, one rounding to bf16. torch only lets it
+        return its input dtype, so V and G are rounded to bf16 where the loop keeps them in fp32: one extra
+        rounding of relative size <= u = 2^-8 (bf16's unit roundoff) per element, before the fp32 dot <V, A>, the
+        fp32 product w V and the fp32 slot sum; the weight gradients are rounded once, as on the loop. Every
+        gradient moves by about u norm-wise (measured on the CPU at Qwen3-30B-A3B's layer shapes, T = 1 and 300:
+        <= 4.3e-3 of its norm). No padding: each group starts at
+        row offs[e-1] of a row-major operand whose rows are D, I or 2I bf16 elements (multiples of 16 bytes), so
+        every group start is 16-byte aligned whatever the counts, which is all the kernel's TMA loads need.
+        Deterministic: torch's CUTLASS grouped GEMM (aten/src/ATen/native/cuda/GroupMM.cu) has every output tile
+        computed by one thread block running the whole contraction in a fixed order (warp-specialized
+        persistent kernel: no split-K, no stream-K, no atomics), with the tile shape chosen from the shapes
+        (mean rows per expert, N, K) and the GPU's architecture, never from the values: the same inputs give the
+        same bits.
+      loop (everywhere else: CPU, float32 and float64 - the CPU gradcheck tests the math through it -, fp16,
+        other GPUs, a torch without _grouped_mm, GROUPED_BACKWARD = False) - two GEMMs per expert that took
+        rows (`_mm`: on tensor cores bf16 operands, V and G kept as the unrounded fp32 accumulator).
     """
 
     @staticmethod
@@ -97,34 +147,59 @@ class ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w13, w2, w, ids, c1 = ctx.saved_tensors
-        t, k = ids.shape
-        perm, segments = _expert_segments(ids, w13.shape[0])
-        cdt = compute_dtype(x.dtype)
-        tok = perm // k
-        c1s = c1[perm]
-        a = ctx.backend.silu_and_mul(c1s)
-        dys, xs = dy[tok].contiguous(), x[tok].contiguous()
-        ws = w.reshape(-1)[perm].to(cdt)[:, None]
-        wdy = (dys.to(cdt) * ws).to(x.dtype)
-        v = torch.empty(a.shape, dtype=cdt, device=x.device)
-        dw13, dw2 = torch.zeros_like(w13), torch.zeros_like(w2)
-        for e, r in segments:
-            v[r] = _mm(dys[r], w2[e], cdt)
-            dw2[e] = _mm(wdy[r].t(), a[r], w2.dtype)
-        dw = torch.empty(t * k, dtype=cdt, device=x.device)
-        dw[perm] = (v * a.to(cdt)).sum(-1)
-        dc1 = bib.silu_and_mul_grad(c1s, (v * ws).to(x.dtype))
-        dxs = torch.empty((t * k, x.shape[1]), dtype=cdt, device=x.device)
-        for e, r in segments:
-            dxs[r] = _mm(dc1[r], w13[e], cdt)
-            dw13[e] = _mm(dc1[r].t(), xs[r], w13.dtype)
-        dx_slots = torch.empty_like(dxs)
-        dx_slots[perm] = dxs
-        dx_slots = dx_slots.view(t, k, -1)
-        dx = dx_slots[:, 0]
-        for j in range(1, k):
-            dx = dx + dx_slots[:, j]
-        return dx.to(x.dtype), dw13, dw2, dw.view(t, k).to(w.dtype), None, None
+        grouped = grouped_backward_runs(x, w13, w2)
+        return (*experts_backward(dy, x, w13, w2, w, ids, c1, ctx.backend, grouped), None, None)
+
+
+def experts_backward(dy, x, w13, w2, w, ids, c1, backend, grouped: bool):
+    """(dx, dW13, dW2, dw) of ExpertsFunction (its docstring's math) at dy = dL/dy; `grouped`: the GEMM pairs as
+    torch._grouped_mm calls (`_grouped_gemms`), else the per-expert loop (`_loop_gemms`)."""
+    t, k = ids.shape
+    cdt = compute_dtype(x.dtype)
+    perm, counts = _expert_order(ids, w13.shape[0])
+    if grouped:
+        gemms = partial(_grouped_gemms, counts.cumsum(0).to(torch.int32), (counts == 0).nonzero()[:, 0])
+    else:
+        gemms = partial(_loop_gemms, _segments(counts))
+    tok = perm // k
+    c1s = c1[perm]
+    a = backend.silu_and_mul(c1s)
+    dys, xs = dy[tok].contiguous(), x[tok].contiguous()
+    ws = w.reshape(-1)[perm].to(cdt)[:, None]
+    wdy = (dys.to(cdt) * ws).to(x.dtype)
+    v, dw2 = gemms(dys, w2, wdy, a, cdt)
+    dw = torch.empty(t * k, dtype=cdt, device=x.device)
+    dw[perm] = (v * a.to(cdt)).sum(-1)
+    dc1 = bib.silu_and_mul_grad(c1s, (v * ws).to(x.dtype))
+    g, dw13 = gemms(dc1, w13, dc1, xs, cdt)
+    g_slots = torch.empty_like(g)
+    g_slots[perm] = g
+    g_slots = g_slots.view(t, k, -1)
+    dx = g_slots[:, 0]
+    for j in range(1, k):
+        dx = dx + g_slots[:, j]
+    return dx.to(x.dtype), dw13, dw2, dw.view(t, k).to(w.dtype)
+
+
+def _loop_gemms(segments, rows, weight, left, right, cdt):
+    """out[r] = rows[r] weight[e] in the compute dtype and dW[e] = left[r]^T right[r] in the weight's dtype, for
+    every (expert e, its rows r) of `segments`; dW[e] = 0 for the experts not in it. Two `_mm` calls per expert."""
+    out = torch.empty((rows.shape[0], weight.shape[-1]), dtype=cdt, device=rows.device)
+    dweight = torch.zeros_like(weight)
+    for e, r in segments:
+        out[r] = _mm(rows[r], weight[e], cdt)
+        dweight[e] = _mm(left[r].t(), right[r], weight.dtype)
+    return out, dweight
+
+
+def _grouped_gemms(offs, idle, rows, weight, left, right, cdt):
+    """`_loop_gemms`' two products, each one torch._grouped_mm call over all experts (offs: each expert's end row,
+    int32; idle: the experts without rows, whose dW is set to 0 - a group with an empty contraction is not written
+    by every GPU's kernel, pytorch/pytorch#172439). The row product comes back rounded to the operands' dtype
+    (torch's constraint), then in the compute dtype."""
+    out = torch._grouped_mm(rows.contiguous(), weight, offs=offs).to(cdt)
+    dweight = torch._grouped_mm(left.contiguous().t(), right.contiguous(), offs=offs)
+    return out, dweight.index_fill_(0, idle, 0)
 
 
 def route(z, top_k: int, renormalize: bool, backend):
