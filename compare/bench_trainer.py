@@ -3,9 +3,11 @@
     python compare/bench_trainer.py [--model DIR | --shape Qwen3-1.7B [--layers N]]
         [--shapes 8x1024,2x8192,mixed64] [--iters 5] [--warmup 2] [--json OUT] [--device cuda]
         [--activation-checkpointing 0|1] [--tt-attn auto|sdpa|varlen|flex] [--peak-tflops F]
-        [--lora-rank R [--lora-targets T]]
+        [--lora-rank R [--lora-targets T]] [--moe-layer-tokens N]
     GPU host:  VLLM_BATCH_INVARIANT=1 python compare/bench_trainer.py
+               VLLM_BATCH_INVARIANT=1 python compare/bench_trainer.py --shape Qwen3-30B-A3B --layers 2
     CPU smoke: python compare/bench_trainer.py --device cpu --shape tiny --shapes 2x64,mixed4 --dtype float32
+               python compare/bench_trainer.py --device cpu --shape tiny-moe --shapes 2x64 --dtype float32
 
 In one process, on one checkpoint (--model, or random weights of --shape) and the same token ids,
 both models compute what the GRPO loss is built on: the log-probability of every next token (rows
@@ -32,6 +34,19 @@ bf16 parameters. Shapes: BxS (B sequences of S tokens) or mixedN (N sequences, l
               (bib.LOGITS_CHUNK_ELEMENTS // vocab), each recomputed in the backward
               (torch.utils.checkpoint): like ours it never holds a [T, vocab] float32 tensor (10 GB
               at 2x8192). --tt-logits-chunk 0: one unchunked block.
+Qwen3-MoE (a qwen3_moe --model, --shape tiny-moe or Qwen3-30B-A3B): torchtitan's Qwen3Model with moe_enabled
+(its MoE: TokenChoiceTopKRouter with softmax scores and route_norm = norm_topk_prob, GroupedExperts through
+torch._grouped_mm on CUDA, its for-loop on the CPU, where torchtitan's grouped path needs a Triton kernel), and
+torchtitan's dense block in the layers the checkpoint keeps dense (mlp_only_layers). Weights: weights.hf_to_titan
+for everything but the sparse layers' router and experts, which torchtitan's own Qwen3StateDictAdapter maps
+(mlp.gate.weight -> moe.router.gate.weight; mlp.experts.{e}.gate_proj / up_proj / down_proj stacked over e ->
+moe.experts.w1 / w3 / w2, [E, I, D] / [E, I, D] / [E, D, I]). On the CPU, torchtitan 0.2.2's router counts tokens
+per expert with torch.histc of the int64 expert ids, which the CPU does not implement: there the bench counts
+them as float32 (the same counts). Sparse layer alone (--moe-layer-tokens N, default 4096, 0 = off): our first
+sparse layer's block (router GEMM, top-k, experts) on N random tokens, forward and fwd+bwd (backward = their
+difference), with the experts' backward as grouped GEMMs and again as the per-expert loop
+(torchtitan_compat.moe.GROUPED_BACKWARD) where the grouped one runs; torchtitan's MoE module on the same weights
+and tokens next to it.
 Activation checkpointing (default 1, the trainer's default): ours through the model's switch;
 torchtitan's per-layer full AC (apply_ac, mode "full") only when ours has the switch, so both
 recompute the same; if ours lacks it, both run without and the output says so.
@@ -43,6 +58,7 @@ shapes, then torchtitan), so it is that side's weights + grads + activations.
 MFU = model FLOPs / time / peak dense bf16 FLOP/s (H100 SXM, H200: 989 TFLOP/s; --peak-tflops):
   forward  F = 2 * N_mm * T + A          fwd+bwd = 3 * F          (T = real tokens)
   N_mm = n_layers * (D*(Hq + 2*Hkv)*Dh + Hq*Dh*D + 3*D*I) + V*D  (matmul weights incl. lm_head)
+         Qwen3-MoE: the active weights; a sparse layer's 3*D*I is D*E + k*3*D*I_moe (router, k experts)
   A    = n_layers * sum over sequences of 2 matmuls * 2 FLOPs * L^2/2 * Hq * Dh  (causal attention)
 Recomputation (activation checkpointing, the chunked head) and padding are not model FLOPs.
 --lora-rank R adds "+LoRA" rows: ours again with the base frozen and LoRA adapters (alpha 32) on
@@ -85,11 +101,20 @@ def batch_lengths(name: str) -> list[int]:
     return [int(s)] * int(b)
 
 
+def active_matmul_params(a) -> int:
+    """N_mm of the module docstring: the matmul weights a token goes through (a sparse layer: router and k experts)."""
+    from torchtitan_compat.config import sparse_layers
+
+    attention = a.dim * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + a.n_heads * a.head_dim * a.dim
+    sparse = set(sparse_layers(a))
+    mlp = [a.dim * a.moe_args.num_experts + a.moe_args.top_k * 3 * a.dim * a.moe_inter_dim if i in sparse
+           else 3 * a.dim * a.hidden_dim for i in range(a.n_layers)]
+    return a.n_layers * attention + sum(mlp) + a.vocab_size * a.dim
+
+
 def model_flops(a, lengths: list[int]) -> float:
     """Forward FLOPs of the batch (module docstring); fwd+bwd is 3x."""
-    per_layer = a.dim * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + a.n_heads * a.head_dim * a.dim \
-        + 3 * a.dim * a.hidden_dim
-    n_mm = a.n_layers * per_layer + a.vocab_size * a.dim
+    n_mm = active_matmul_params(a)
     attention = a.n_layers * sum(2 * 2 * n * n / 2 * a.n_heads * a.head_dim for n in lengths)
     return 2 * n_mm * sum(lengths) + attention
 
@@ -161,9 +186,10 @@ def set_ours_ac(model, on: bool) -> str:
     return "on" if on else "off"
 
 
-def run_ours(model_dir, seqs_by_shape, opts, device, dtype) -> tuple[dict, str, str]:
+def run_ours(model_dir, seqs_by_shape, opts, device, dtype) -> tuple[dict, str, str, dict | None]:
     from spirl.numerics.samples import Sample
     from spirl.numerics.parity import pack_sampled, sampled_logprobs
+    from torchtitan_compat.config import is_moe
     from weights_vllm_compat import load_model
 
     model = load_model(model_dir, device=device, dtype=dtype, backend="auto").requires_grad_(True)
@@ -177,6 +203,7 @@ def run_ours(model_dir, seqs_by_shape, opts, device, dtype) -> tuple[dict, str, 
         prep = time.perf_counter() - t0
         runs[name] = lambda samples=samples: torch.cat(sampled_logprobs(model, samples, device))
         results[name] = {**check_and_time(runs[name], model, opts, device, f"ours {name}"), "host_prep_s": prep}
+    layer = time_our_sparse_layer(model, opts, device, dtype) if is_moe(model.args) and opts.moe_layer_tokens else None
     if opts.lora_rank:  # the same model, base frozen, adapters on: what a LoRA run's trainer computes
         from torchtitan_compat.lora import DEFAULT_ALPHA, LoRASpec, apply_lora, parse_targets
 
@@ -185,7 +212,78 @@ def run_ours(model_dir, seqs_by_shape, opts, device, dtype) -> tuple[dict, str, 
         apply_lora(model, spec, {k: v.detach() for k, v in model.state_dict().items()}, seed=0)
         for name in seqs_by_shape:
             results[name]["lora"] = check_and_time(runs[name], model, opts, device, f"ours+LoRA {name}")
-    return results, ac, model.backend.name
+    return results, ac, model.backend.name, layer
+
+
+class Grads:
+    """What `measure` clears after each fwd+bwd of a layer timed alone: its parameters' and its input's gradients."""
+
+    def __init__(self, *tensors):
+        self.tensors = tensors
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for t in self.tensors:
+            t.grad = None
+
+
+def layer_input(a, n: int, device, dtype) -> torch.Tensor:
+    """n random tokens' activations [n, D] ~ N(0, 1) (a normed hidden state's scale), the same on both sides."""
+    return torch.randn(n, a.dim, generator=torch.Generator().manual_seed(2)).to(device, dtype).requires_grad_()
+
+
+def time_layer(tag: str, run, grads, opts, device, passes=PASSES) -> dict:
+    out = {p: guarded(lambda p=p: measure(run, grads, p == "fwd_bwd", opts, device), device, grads) for p in passes}
+    print(f"  {tag}: " + ", ".join(f"{p} " + (r.get("error") or "{:.2f} ms".format(1e3 * r["s"]))
+                                   for p, r in out.items()), flush=True)
+    return out
+
+
+def time_our_sparse_layer(model, opts, device, dtype) -> dict:
+    """Our first sparse layer's block alone (module docstring): forward, fwd+bwd; where the experts' backward runs as
+    grouped GEMMs, fwd+bwd again with the per-expert loop."""
+    from torchtitan_compat import moe
+    from torchtitan_compat.config import sparse_layers
+
+    i = sparse_layers(model.args)[0]
+    block, x = model.layers[i].moe, layer_input(model.args, opts.moe_layer_tokens, device, dtype)
+    p = SimpleNamespace(backend=model.backend, routes=None, router_logits=None)
+    grads = Grads(x, *block.parameters())
+    grouped = moe.grouped_backward_runs(x, block.experts.gate_up_proj, block.experts.down_proj)
+    out = {"layer": i, "tokens": opts.moe_layer_tokens, "experts_backward": "grouped GEMMs" if grouped else "loop",
+           **time_layer(f"ours sparse layer {i} alone", lambda: block(x, p), grads, opts, device)}
+    if grouped:
+        moe.GROUPED_BACKWARD = False
+        try:
+            out["loop"] = time_layer("  the same, experts' backward as the loop", lambda: block(x, p), grads, opts,
+                                     device, passes=("fwd_bwd",))
+        finally:
+            moe.GROUPED_BACKWARD = True
+    return out
+
+
+def tt_moe_args(a, device):
+    """torchtitan's MoE args for the bench: its grouped GEMMs on CUDA, its for-loop on the CPU (module docstring)."""
+    return dataclasses.replace(a.moe_args, use_grouped_mm=device.type == "cuda")
+
+
+def time_tt_sparse_layer(a, titan_sd, opts, device, dtype) -> dict:
+    """torchtitan's MoE module alone on our sparse layer's weights and tokens: forward, fwd+bwd."""
+    from torchtitan.models.moe import MoE
+
+    from torchtitan_compat.config import sparse_layers
+
+    i = sparse_layers(a)[0]
+    prefix = f"layers.{i}.moe."
+    if device.type == "cpu":
+        count_ids_as_float_on_cpu()
+    with torch.device("meta"):
+        block = MoE(tt_moe_args(a, device), dim=a.dim, hidden_dim=a.moe_inter_dim)
+    block.to(dtype).to_empty(device=device)
+    block.load_state_dict({k[len(prefix):]: v for k, v in titan_sd.items() if k.startswith(prefix)}, strict=True)
+    block.tokens_per_expert.zero_()
+    x = layer_input(a, opts.moe_layer_tokens, device, dtype)
+    return time_layer(f"torchtitan sparse layer {i} alone", lambda: block(x[None]), Grads(x, *block.parameters()),
+                      opts, device)
 
 
 def use_varlen_gqa(a) -> None:
@@ -203,15 +301,62 @@ def use_varlen_gqa(a) -> None:
     W._compiled_varlen_attn, W._bench_gqa = torch.compile(varlen_attn_gqa, mode="max-autotune-no-cudagraphs"), True
 
 
+def count_ids_as_float_on_cpu() -> None:
+    """torchtitan 0.2.2's MoE counts the tokens of each expert with torch.histc of the int64 expert ids, which the
+    CPU does not implement ("histogram_cpu" not implemented for 'Long'): for integer CPU tensors, histc of their
+    float32 copy, returned in their dtype (the same counts: the ids are exact in float32). Other calls unchanged."""
+    histc = torch.histc
+    if getattr(histc, "_bench_int_cpu", False):
+        return
+
+    def histc_int_cpu(x, *args, **kwargs):
+        if x.device.type == "cpu" and not x.is_floating_point():
+            return histc(x.float(), *args, **kwargs).to(x.dtype)
+        return histc(x, *args, **kwargs)
+    histc_int_cpu._bench_int_cpu = True
+    torch.histc = histc_int_cpu
+
+
+def titan_state_dict(hf_sd: dict, a) -> dict:
+    """torchtitan's state dict of an HF checkpoint: weights.hf_to_titan (torchtitan's Qwen3StateDictAdapter, checked);
+    Qwen3-MoE: hf_to_titan leaves the sparse layers' router and experts out, and the adapter itself maps them
+    (module docstring; on args without weight tying, so that it does not add lm_head to this part)."""
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+    from torchtitan_compat.config import sparse_layers
+    from weights import hf_to_titan
+
+    sparse = tuple(f"model.layers.{i}.mlp." for i in sparse_layers(a))
+    moe_part = {k: v for k, v in hf_sd.items() if sparse and k.startswith(sparse)}
+    titan = hf_to_titan({k: v for k, v in hf_sd.items() if k not in moe_part}, a)
+    if moe_part:
+        adapter = Qwen3StateDictAdapter(dataclasses.replace(a, enable_weight_tying=False), hf_assets_path=None)
+        titan.update(adapter.from_hf(moe_part))
+    return titan
+
+
 def build_tt(a, titan_sd, attn: str, ac: bool, device, dtype):
     from torchtitan.config.job_config import ActivationCheckpoint
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.qwen3 import Qwen3Model
+    from torchtitan.models.qwen3.model.model import TransformerBlock
+
+    from torchtitan_compat.config import sparse_layers
 
     a = dataclasses.replace(a, attn_type=attn, attn_mask_type="causal" if attn == "sdpa" else "block_causal")
+    if a.moe_enabled:
+        a = dataclasses.replace(a, moe_args=tt_moe_args(a, device))
+        if device.type == "cpu":
+            count_ids_as_float_on_cpu()
+    dense_layers = [i for i in range(a.n_layers) if i not in sparse_layers(a)] if a.moe_enabled else []
     with torch.device("meta"):
-        model = Qwen3Model(a)
+        model = Qwen3Model(a)  # moe_enabled: every layer sparse, as torchtitan builds Qwen3-MoE
+        for i in dense_layers:  # the layers the checkpoint keeps dense (mlp_only_layers): torchtitan's dense block
+            model.layers[str(i)] = TransformerBlock(i, dataclasses.replace(a, moe_enabled=False))
     model.to(dtype).to_empty(device=device)
+    for name, buf in model.named_buffers():  # torchtitan's per-expert token counters (not in the state dict)
+        if name.endswith("tokens_per_expert"):
+            buf.zero_()
     if a.enable_weight_tying:  # to_empty gives the two names separate storage: tie them again
         model.output.weight = model.tok_embeddings.weight
     model.load_state_dict(titan_sd, strict=True)
@@ -385,6 +530,8 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=0, help="also time ours with LoRA adapters of this rank on a "
                    "frozen base (the +LoRA rows: time, and its ratio to ours with full fine-tuning); 0 = off")
     p.add_argument("--lora-targets", default="", help="with --lora-rank: modules to adapt (default all-linear)")
+    p.add_argument("--moe-layer-tokens", type=int, default=4096, help="Qwen3-MoE: also time our first sparse layer "
+                   "alone (and torchtitan's) on this many tokens; 0 = off")
     opts = p.parse_args(argv)
     try:
         opts.lengths = {s: batch_lengths(s) for s in opts.shapes.split(",")}
@@ -394,38 +541,84 @@ def parse_args(argv=None):
         p.error("--iters must be >= 1 and --warmup >= 0")
     if opts.lora_rank < 0:
         p.error("--lora-rank must be >= 1 (0 = off)")
+    if opts.moe_layer_tokens < 0:
+        p.error("--moe-layer-tokens must be >= 1 (0 = off)")
     return opts
+
+
+def report_sparse_layer(ours: dict, tt: dict | None) -> dict:
+    """The sparse layer alone (module docstring): ms of forward, fwd+bwd and backward = their difference, per side;
+    the grouped backward's speedup over the loop, ours over torchtitan."""
+    def ms(d: dict, p: str):
+        return 1e3 * d[p]["s"] if "s" in d.get(p, {}) else None
+
+    sides = {"ours": (ms(ours, "forward"), ms(ours, "fwd_bwd"))}
+    if "loop" in ours:
+        sides["ours_loop"] = (ms(ours, "forward"), ms(ours["loop"], "fwd_bwd"))
+    if tt is not None:
+        sides["torchtitan"] = (ms(tt, "forward"), ms(tt, "fwd_bwd"))
+    labels = {"ours": f"ours (experts' backward: {ours['experts_backward']})", "ours_loop": "ours, the loop backward",
+              "torchtitan": "torchtitan MoE"}
+    print(f"\n== sparse layer {ours['layer']} alone, {ours['tokens']} tokens\n"
+          f"{'':40s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'bwd ms':>8s}")
+    out = {"layer": ours["layer"], "tokens": ours["tokens"], "experts_backward": ours["experts_backward"]}
+    for side, (f, fb) in sides.items():
+        out[side] = {"forward_ms": f, "fwd_bwd_ms": fb, "backward_ms": fb - f if None not in (f, fb) else None}
+        print(f"{labels[side]:40s} " + " ".join(cell(out[side], key, "{:.2f}").rjust(w) for key, w in
+                                                 (("forward_ms", 8), ("fwd_bwd_ms", 10), ("backward_ms", 8))))
+    for key, num, den, ms_of, what in (
+            ("backward_speedup", "ours_loop", "ours", "backward_ms", "backward, the loop / grouped GEMMs (speedup)"),
+            ("fwd_bwd_ratio_vs_torchtitan", "ours", "torchtitan", "fwd_bwd_ms", "fwd+bwd, ours / torchtitan")):
+        a, b = out.get(num, {}).get(ms_of), out.get(den, {}).get(ms_of)
+        out[key] = a / b if a and b else None
+        if out[key] is not None:
+            print(f"{what}: {out[key]:.2f}")
+    return out
+
+
+def moe_meta(a, device) -> dict:
+    from torchtitan_compat.config import sparse_layers
+
+    return {"num_experts": a.moe_args.num_experts, "top_k": a.moe_args.top_k, "moe_inter_dim": a.moe_inter_dim,
+            "sparse_layers": list(sparse_layers(a)), "active_matmul_params": active_matmul_params(a),
+            "torchtitan_experts": "torch._grouped_mm" if tt_moe_args(a, device).use_grouped_mm else "for-loop"}
 
 
 def main(argv=None) -> int:
     import batch_invariant_backward as bib
-    from torchtitan_compat.config import model_args_from_hf_config
-    from weights import hf_to_titan, load_hf_checkpoint, write_random_checkpoint
+    from torchtitan_compat.config import is_moe, model_args_from_hf_config
+    from weights import load_hf_checkpoint, write_random_checkpoint
 
     opts = parse_args(argv)
     device, dtype = torch.device(opts.device), getattr(torch, opts.dtype)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = opts.peak_tflops or next((f for key, f in PEAK_TFLOPS if key in gpu), None)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # random weights drawn on the bench's device (fast for MoE shapes)
         model_dir = opts.model or write_random_checkpoint(Path(tmp) / "ckpt", opts.shape, num_layers=opts.layers,
-                                                          seed=0, dtype=torch.bfloat16)
+                                                          seed=0, dtype=torch.bfloat16, device=device.type)
         cfg, hf_sd = load_hf_checkpoint(model_dir)
         a = model_args_from_hf_config(cfg)
         gen = torch.Generator().manual_seed(1)
         seqs = {s: [torch.randint(0, a.vocab_size, (n,), generator=gen).tolist() for n in ls]
                 for s, ls in opts.lengths.items()}
+        moe = moe_meta(a, device) if is_moe(a) else None
         print(f"device {gpu}, peak {peak or '-'} TFLOP/s, torch {torch.__version__}, {opts.dtype}; model "
-              f"{opts.model or opts.shape} ({a.n_layers} layers, dim {a.dim}, vocab {a.vocab_size})", flush=True)
-        ours, ac, backend = run_ours(model_dir, seqs, opts, device, dtype)  # loads it as the trainer does
+              f"{opts.model or opts.shape} ({a.n_layers} layers, dim {a.dim}, vocab {a.vocab_size})" + (
+                  f"; mixture of experts: {len(moe['sparse_layers'])} sparse layers, {moe['num_experts']} experts of "
+                  f"width {moe['moe_inter_dim']}, top-{moe['top_k']}, {moe['active_matmul_params']:,} active "
+                  f"matmul weights (MFU's N_mm)" if moe else ""), flush=True)
+        ours, ac, backend, our_layer = run_ours(model_dir, seqs, opts, device, dtype)  # loads it as the trainer does
     free(device)
     chunk = opts.tt_logits_chunk if opts.tt_logits_chunk is not None else (  # ours' chunk, if it has one
         max(1, bib.LOGITS_CHUNK_ELEMENTS // a.vocab_size) if hasattr(bib, "LOGITS_CHUNK_ELEMENTS") else 0)
-    tt = run_tt(a, hf_to_titan(hf_sd, a), seqs, opts, device, dtype, ac == "on", chunk)
+    titan_sd = titan_state_dict(hf_sd, a)
+    tt = run_tt(a, titan_sd, seqs, opts, device, dtype, ac == "on", chunk)
+    tt_layer = time_tt_sparse_layer(a, titan_sd, opts, device, dtype) if our_layer else None
     vllm_bi = getattr(sys.modules.get("vllm.model_executor.layers.batch_invariant"), "_batch_invariant_MODE", False)
     meta = {"device": gpu, "peak_tflops": peak, "torch": torch.__version__, "dtype": opts.dtype,
             "model": opts.model or opts.shape, "ours_backend": backend, "iters": opts.iters, "warmup": opts.warmup,
             "model_args": {k: getattr(a, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                                                      "hidden_dim", "vocab_size")},
+                                                      "hidden_dim", "vocab_size")}, "moe": moe,
             "activation_checkpointing": {"requested": opts.activation_checkpointing, "ours": ac,
                                          "torchtitan": "on (full, per layer)" if ac == "on" else "off"},
             "tt_logits_chunk_rows": chunk, "vllm_aten_overrides_active": vllm_bi,
@@ -435,11 +628,12 @@ def main(argv=None) -> int:
           f"overrides active: {vllm_bi}" + ("\n(the model has no activation-checkpointing switch: both sides run "
                                              "without)" if ac == "unsupported" and opts.activation_checkpointing else ""))
     shapes = {s: report(s, opts.lengths[s], a, ours[s], tt[s], peak) for s in seqs}
+    layer = report_sparse_layer(our_layer, tt_layer) if our_layer else None
     ok = all(r["check"]["pass"] for r in shapes.values())
     print(f"\nlogprob agreement (ours vs torchtitan, all shapes): {'PASS' if ok else 'FAIL'}")
     if opts.json:
         Path(opts.json).write_text(json.dumps({**meta, "logprob_agreement": "PASS" if ok else "FAIL",
-                                               "shapes": shapes}, indent=1))
+                                               "shapes": shapes, "sparse_layer": layer}, indent=1))
     return 0 if ok else 1
 
 
