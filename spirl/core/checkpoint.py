@@ -62,16 +62,17 @@ def optimizer_tensors(opt: torch.optim.Optimizer, whole=_cpu) -> tuple[dict[str,
 
 
 def save(run_ckpt_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
-         optimizer: torch.optim.Optimizer | tuple[dict, list], state: dict, adapter=None) -> Path:
+         optimizer: torch.optim.Optimizer | tuple[dict, list], state: dict, adapter=None, extra=None) -> Path:
     """Write checkpoint `step` atomically; returns its directory. `optimizer`: the optimizer, or
     what `optimizer_tensors` made of it. `adapter`: for LoRA, a function writing the masters as a
-    PEFT adapter into a directory (instead of model.safetensors). On an OSError (a full disk, no
+    PEFT adapter into a directory (instead of model.safetensors). `extra`: a function writing more files
+    into the directory (the rollouts --off-policy-steps sampled ahead). On an OSError (a full disk, no
     permission) nothing of this step is left behind, `latest` and the earlier checkpoints are as
     they were, and a one-line UserError (exit status 6) says so."""
     root = Path(run_ckpt_dir)
     final = root / f"step_{step:06d}"
     try:
-        write_dir(final, masters, optimizer, {**state, "step": step}, adapter)
+        write_dir(final, masters, optimizer, {**state, "step": step}, adapter, extra)
         latest_tmp = root / ".latest.tmp"
         try:
             latest_tmp.write_text(final.name + "\n")
@@ -95,10 +96,11 @@ def save(run_ckpt_dir: str | Path, step: int, masters: dict[str, torch.Tensor],
     return final
 
 
-def write_dir(final: Path, masters: dict[str, torch.Tensor], optimizer, state: dict, adapter=None) -> Path:
-    """Write one checkpoint directory `final` (masters or adapter, optimizer, RNG states, state.json)
-    atomically: into a temporary directory beside it, renamed into place (replacing a stale one).
-    OSErrors propagate; nothing half-written is left."""
+def write_dir(final: Path, masters: dict[str, torch.Tensor], optimizer, state: dict, adapter=None,
+              extra=None) -> Path:
+    """Write one checkpoint directory `final` (masters or adapter, optimizer, RNG states, state.json, and what
+    `extra` writes) atomically: into a temporary directory beside it, renamed into place (replacing a stale
+    one). OSErrors propagate; nothing half-written is left."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=final.parent))
     try:
@@ -108,6 +110,8 @@ def write_dir(final: Path, masters: dict[str, torch.Tensor], optimizer, state: d
             save_tensors(tmp / "model.safetensors", masters)
         opt_tensors, groups = optimizer if isinstance(optimizer, tuple) else optimizer_tensors(optimizer)
         save_tensors(tmp / "optimizer.safetensors", opt_tensors)
+        if extra is not None:
+            extra(tmp)
         rng = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # the GPU this process computes on
             rng["torch_cuda"] = torch.cuda.get_rng_state()

@@ -155,6 +155,12 @@ class TrainConfig:
     pipeline would have trained on; SPIRL itself trains on the sampled ids)."""
     updates_per_batch: int = 1
     """Optimizer steps per rollout batch: the batch is split into this many mini-batches."""
+    off_policy_steps: int = 0
+    """Asynchronous GRPO: the engine samples step s + K while the trainer trains step s, so a step trains on
+    samples of the weights K updates old (steps 1..K + 1: the initial weights); each rollout's logprobs are still
+    checked bit for bit, when it is sampled, against the trainer under the weights that sampled it. The schedule
+    depends on K and --seed only: a run repeats and resumes bit for bit. 0 = synchronous (sample, then train).
+    spirl/loops/ahead.py."""
     max_tokens_per_microbatch: int = 16384
     """Gradient accumulation by tokens: each micro-batch packs whole sequences up to this many
     tokens (a longer sequence gets a micro-batch of its own). Bounds activation memory."""
@@ -251,6 +257,10 @@ class TrainConfig:
             (self.eager in (0, 1), "eager must be 0 or 1"),
             (self.precompile in (0, 1), "precompile must be 0 or 1"),
             (self.vllm_sleep in (0, 1), "vllm_sleep must be 0 or 1"),
+            (self.off_policy_steps >= 0, "off_policy_steps must be >= 0 (0 = synchronous)"),
+            (not (self.off_policy_steps and self.vllm_sleep),
+             "--vllm-sleep 1 cannot be used with --off-policy-steps: the engine samples the next rollout while the "
+             "trainer trains, so it cannot sleep then; set --vllm-sleep 0 (or --off-policy-steps 0)"),
             (self.eval_every >= 0, "eval_every must be >= 0"),
             (self.eval_pass_k >= 0, "eval_pass_k must be >= 0"),
             (self.eval_size >= 0, "eval_size must be >= 1, or 0 for the task's whole held-out set"),

@@ -225,7 +225,7 @@ def _suggestions(args, cfg, gpu_total: int, **kw) -> list[str]:
             break
         budget //= 2
     if cfg.engine == "vllm":
-        if hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep and not lora and fits(vllm_sleep=1):
+        if _can_sleep(cfg, lora) and fits(vllm_sleep=1):
             out.append("set --vllm-sleep 1")
         floor = (vllm_weight_bytes(args, kw.get("lora")) + min_kv_bytes(args, cfg) + OVERHEAD_BYTES) / gpu_total
         util = round(cfg.gpu_memory_utilization - 0.05, 2)
@@ -237,6 +237,12 @@ def _suggestions(args, cfg, gpu_total: int, **kw) -> list[str]:
     if cfg.kl_coef > 0 and not lora and fits(kl_coef=0.0):
         out.append("set --kl-coef 0 (no reference copy)")
     return out
+
+
+def _can_sleep(cfg, lora: bool) -> bool:
+    """--vllm-sleep 1 is a fix to offer: not set, not LoRA (which computes with the engine's tensors), and the
+    engine is idle while the trainer trains (not with --off-policy-steps)."""
+    return hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep and not lora and not getattr(cfg, "off_policy_steps", 0)
 
 
 def _together(args, cfg, gpu_total: int, **kw) -> list[str]:
@@ -253,7 +259,7 @@ def _together(args, cfg, gpu_total: int, **kw) -> list[str]:
     if not cfg.activation_checkpointing:
         switches["activation_checkpointing"] = 1
     vllm = cfg.engine == "vllm"
-    if vllm and hasattr(cfg, "vllm_sleep") and not cfg.vllm_sleep and not lora:
+    if vllm and _can_sleep(cfg, lora):
         switches["vllm_sleep"] = 1
     if cfg.kl_coef > 0 and not lora:
         switches["kl_coef"] = 0.0

@@ -89,6 +89,19 @@ class Policy:
             m.grad = g.clone() if m.grad is None else m.grad.add_(g)
             p.grad = None
 
+    def release_gathered(self) -> None:
+        """Sharded: free the weights FSDP2 keeps gathered after a forward. Its root module keeps them after
+        every forward (a backward usually follows, which frees them); after a no-grad forward between a backward
+        and the optimizer step (--off-policy-steps' parity check) the next forward and the weight sync would
+        read that stale gathered copy instead of the updated shards."""
+        if not self.fsdp:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def reduce_grads(self) -> None:
         """Before the optimizer step: make the masters' gradients those of the loss over every rank's
         samples. Nothing to do on one process, nor under FSDP (its backward reduce-scatters them)."""

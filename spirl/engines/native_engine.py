@@ -28,6 +28,10 @@ from .base import Request
 
 
 class NativeEngine:
+    samples_beside_training: bool = False
+    """The trainer's own model on the CPU, whose GEMMs split their work by the threads free: --off-policy-steps
+    samples when the rollout is asked for, never beside the trainer (spirl.loops.ahead)."""
+
     def __init__(self, model, eos_ids: Iterable[int], logprobs: str = "raw", one_per_forward: bool = False):
         self.model = model
         """The trainer's compute model itself: weight sync is then a no-op (see load_weights)."""

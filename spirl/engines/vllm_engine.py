@@ -189,6 +189,10 @@ class VLLMEngine:
     (vllm/v1/engine/parallel_sampling.py, 0.26.0), each sampled as it would be alone (batch
     invariance): so consecutive one-sample requests of one prompt and seeds s, s+1, ... may be sent
     as one request of n, for the same bits (tests/gpu/test_tinker_gpu.py checks it)."""
+    samples_beside_training: bool = True
+    """--off-policy-steps may run generate() on a thread of its own while the trainer computes:
+    the engine's kernels read only its own tensors (and, with LoRA, the base weights no optimizer step changes
+    before the rollout is finished), and each is batch invariant, so what runs beside it cannot change its bits."""
 
     def __init__(self, cfg: VLLMEngineConfig):
         from torchtitan_compat.config import ModelDir, is_moe

@@ -216,8 +216,9 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     weights       SequenceWeights of these N sequences (`sequence_weights`: normalizers over the whole
                   mini-batch and every rank); None = these N are the whole batch, on one process
     Returns (scalar loss, metrics): the loss and pg_loss (the surrogate term alone) aggregated as the loss
-    type says; kl_div (only with a reference), entropy, ratio_mean and ratio_clipped_frac (the share of
-    tokens whose clip is active: ppo, the clipped branch; cispo, r > eps_max) as each sequence's mean, then
+    type says; kl_div (only with a reference), entropy, ratio_mean, ratio_sq_mean (of r^2: the ratio's spread)
+    and ratio_clipped_frac (the share of tokens whose clip is active: ppo, the clipped branch; cispo,
+    r > eps_max) as each sequence's mean, then
     the mean over sequences. With `weights`, every value is this part's share of the mini-batch's (summed
     over micro-batches and averaged over ranks, they are the mini-batch's). Per token:
         pg  = -min(r A, clip(r, 1 - eps, 1 + eps_high) A)     or cispo's  -sg(min(r, eps_max)) A logp
@@ -255,6 +256,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
             "pg_loss": float(_weighted(pg, mask, weights.loss)),
             "entropy": float(_weighted(entropy, mask, mean)) if entropy is not None else 0.0,
             "ratio_mean": float(_weighted(ratio, mask, mean)),
+            "ratio_sq_mean": float(_weighted(ratio * ratio, mask, mean)),
             "ratio_clipped_frac": float(_weighted(is_clipped.to(mask.dtype), mask, mean)),
         }
         if kl is not None:

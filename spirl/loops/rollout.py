@@ -58,24 +58,48 @@ class Round:
     extra: dict = field(default_factory=dict)
 
 
-def sample_round(run: Run, step: int, r: int, prompts: list, times: dict) -> Round:
+@dataclass
+class Generated:
+    """What the engine sampled for this rank's prompts of one round: sequences, metas, the outputs the rewards
+    score, and episode scalars (multi-turn)."""
+
+    samples: list
+    metas: list
+    outputs: list
+    extra: dict
+
+
+def generate_round(run: Run, step: int, r: int, prompts: list) -> Generated:
+    """The engine's part of round r of a step: this rank's `prompts` sampled with the round's seeds (no parity,
+    no rewards). It reads only the engine, so it can run beside the trainer's forward and backward
+    (spirl.loops.ahead)."""
+    cfg, task, engine, world = run.cfg, run.task, run.engine, run.world
+    seed, first = round_seed(cfg.seed, step, r), world.rank * len(prompts)  # shard_of's equal contiguous shares
+    if getattr(task, "multi_turn", False):
+        samples, metas = run_episodes(engine, task, prompts, cfg.group_size, cfg.max_turns, cfg.max_new_tokens,
+                                      cfg.temperature, seed, max_len=cfg.max_model_len, first=first,
+                                      **sampling_settings(cfg))
+        return Generated(samples, metas, samples, episode_metrics(samples))
+    seeds = prompt_seeds(seed, first, len(prompts), cfg.group_size)
+    samples = engine.generate([p for p, _ in prompts], n=cfg.group_size, max_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, seed=seeds, **sampling_settings(cfg))
+    metas = [meta for _, meta in prompts for _ in range(cfg.group_size)]
+    return Generated(samples, metas, [s.completion_ids for s in samples], {})
+
+
+def sample_round(run: Run, step: int, r: int, prompts: list, times: dict, generated=None) -> Round:
     """Sample this rank's `prompts` (round r of the step), check parity on every sampled token, score them.
-    Collective on several ranks (parity and a failing reward fail every rank)."""
+    `generated`: the round's samples when they were started earlier (a spirl.loops.ahead.Background whose
+    result() is the Generated). Collective on several ranks (parity and a failing reward fail every rank)."""
     cfg, task, engine, policy = run.cfg, run.task, run.engine, run.policy
     world = policy.world
-    seed, first = round_seed(cfg.seed, step, r), world.rank * len(prompts)  # shard_of's equal contiguous shares
-    with timed(times, "rollout"):
-        if getattr(task, "multi_turn", False):
-            samples, metas = run_episodes(engine, task, prompts, cfg.group_size, cfg.max_turns, cfg.max_new_tokens,
-                                          cfg.temperature, seed, max_len=cfg.max_model_len, first=first,
-                                          **sampling_settings(cfg))
-            extra, outputs = episode_metrics(samples), samples
-        else:
-            seeds = prompt_seeds(seed, first, len(prompts), cfg.group_size)
-            samples = engine.generate([p for p, _ in prompts], n=cfg.group_size, max_tokens=cfg.max_new_tokens,
-                                      temperature=cfg.temperature, seed=seeds, **sampling_settings(cfg))
-            metas = [meta for _, meta in prompts for _ in range(cfg.group_size)]
-            extra, outputs = {}, [s.completion_ids for s in samples]
+    if generated is None:
+        with timed(times, "rollout"):
+            gen = generate_round(run, step, r, prompts)
+    else:
+        with timed(times, "rollout_wait"):  # the part of the background sampling the trainer waits for
+            gen = generated.result()
+    samples, metas = gen.samples, gen.metas
     with timed(times, "parity"), torch.no_grad():
         trainer_lps, routes = sampled_logprobs_and_routes(policy.model, samples, run.device, sampling_dist(cfg))
         report = check_parity(samples, trainer_lps, step, run.run_dir, engine, policy, routes)
@@ -83,11 +107,11 @@ def sample_round(run: Run, step: int, r: int, prompts: list, times: dict) -> Rou
     error, scored = None, None
     with timed(times, "reward"):
         try:
-            scored = score(task, outputs, metas, step, cfg)
+            scored = score(task, gen.outputs, metas, step, cfg)
         except RewardError as e:
             error = RewardError(not_applied(e, step))
     world.raise_if_any(error)
-    return Round(samples, metas, scored, report, extra)
+    return Round(samples, metas, scored, report, gen.extra)
 
 
 def advantages(rewards: torch.Tensor, cfg) -> torch.Tensor:
@@ -138,20 +162,31 @@ def _merge(a: ParityReport | None, b: ParityReport) -> ParityReport:
                         max(a.max_abs_diff, b.max_abs_diff), routes=routes)
 
 
-def collect(run: Run, step: int, times: dict) -> Rollout:
-    """The step's rollout (module docstring) on this rank."""
-    cfg, world, source = run.cfg, run.world, run.source
+def draw(run: Run, step: int) -> list:
+    """This rank's share of the next --prompts-per-step prompts of `step` (every rank draws the same list: a
+    bad row fails every rank alike)."""
+    try:
+        return shard_of(run.source.draw(run.cfg.prompts_per_step), run.world)
+    except DatasetError as e:
+        raise DatasetError(not_applied(e, step)) from None
+
+
+def collect(run: Run, step: int, times: dict, started=None) -> Rollout:
+    """The step's rollout (module docstring) on this rank. `started`: its first round's sampling, begun
+    earlier (spirl.loops.ahead: run.source.begin(step) and this rank's draw done then, the engine's
+    Generated its result())."""
+    cfg, world = run.cfg, run.world
     want = cfg.prompts_per_step
-    source.begin(step)
+    if started is None:
+        run.source.begin(step)
     rounds: list[Round] = []
     kept = KeptGroups(cfg.group_size)
     rounds_allowed = cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 1
     while len(rounds) < rounds_allowed and (not cfg.dynamic_sampling or len(kept.groups) < want):
-        try:
-            prompts = source.draw(want)  # every rank draws the same list: a bad row fails every rank alike
-        except DatasetError as e:
-            raise DatasetError(not_applied(e, step)) from None
-        rnd = sample_round(run, step, len(rounds), shard_of(prompts, world), times)
+        if started is not None and not rounds:
+            rnd = sample_round(run, step, 0, None, times, generated=started)
+        else:
+            rnd = sample_round(run, step, len(rounds), draw(run, step), times)
         rounds.append(rnd)
         if cfg.dynamic_sampling:
             kept.add(rnd, world)

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..core import checkpoint as ckpt
 from ..core.config import TrainConfig, checkpoint_dict
 from ..core.errors import UserError
-from . import trainer
+from . import ahead, trainer
 from .evaluation import evaluate
 from .setup import Progress, Run, setup
 from .signals import Signals, interrupted
@@ -106,7 +106,7 @@ def save_checkpoint(run: Run, step: int, data_position: int | None) -> Path | No
     format (so the run resumes on any number of GPUs), and a failed write fails every rank. Replicated state
     (LoRA on several ranks) is first checked to be bitwise the same on every rank; rank 0's write is not cut
     by the PeerWatch. `data_position`: where a dataset's order continues (spirl.loops.prompts.DataCursor), for
-    the tasks read in order."""
+    the tasks read in order. With --off-policy-steps, the rollouts sampled ahead go with it (spirl.loops.ahead)."""
     from ..core.distributed import check_replicas
 
     policy, world, watch = run.policy, run.world, run.progress.watch
@@ -118,6 +118,8 @@ def save_checkpoint(run: Run, step: int, data_position: int | None) -> Path | No
     opt = ckpt.optimizer_tensors(policy.optimizer, world.full_cpu)
     if world.sharded and not policy.fsdp:
         check_replicas({**masters, **opt[0]}, world, "adapters and their optimizer state")
+    pending = ahead.gather_pending(run.ahead.pending(), world) if run.cfg.off_policy_steps else None
+    extra = None if pending is None else (lambda d: ahead.write_pending(d, *pending))
     adapter = None
     if getattr(policy, "spec", None) is not None:  # LoRA: the masters are written as a PEFT adapter
         from ..core.lora import adapter_writer
@@ -127,7 +129,7 @@ def save_checkpoint(run: Run, step: int, data_position: int | None) -> Path | No
     if world.is_main:
         try:
             with watch.local_write() if watch is not None else nullcontext():
-                path = ckpt.save(run.checkpoint_root, step, masters, opt, state, adapter)
+                path = ckpt.save(run.checkpoint_root, step, masters, opt, state, adapter, extra)
         except UserError as e:
             error = e
     world.raise_if_any(error)

@@ -44,6 +44,7 @@ from ..core.preflight import (LengthCheckedEngine, check_memory, check_prompt_le
                               engine_max_model_len, load_checked_tokenizer, model_fingerprint, resolve_device,
                               resolve_model, validate_model_dir)
 from ..core.spec import PolicySpec
+from . import ahead
 from . import precompile as warmup
 from .evaluation import require_eval_set
 from .prompts import DataCursor, PromptSource, ordered
@@ -99,6 +100,9 @@ class Run:
     """Counts the Triton kernels each step builds."""
     logger: object = None
     """spirl.core.metrics.MetricsLogger on rank 0; a logger of nothing on the other ranks."""
+    ahead: object = None
+    """The rollouts sampled and not yet trained on (spirl.loops.ahead.Ahead; with --off-policy-steps, a
+    checkpoint's)."""
     first_scalars: dict = field(default_factory=dict)
     """Scalars logged with the first step (what --precompile built)."""
     closing: ExitStack = field(default_factory=ExitStack)
@@ -261,12 +265,31 @@ def _start_policy(run: Run, limit: int, why: str, longest: int | None) -> None:
     """The resumed state loaded, prompts of unknown length checked per call, and the engine given the
     trainer's exact weights (which matters on resume)."""
     cfg = run.cfg
+    pending = []
     if cfg.resume:
         run.start = resume_into(run.policy, cfg.resume, run.device)
         run.progress.saved = run.start
+        pending = _pending_rollouts(cfg, run.world)
+    run.ahead = ahead.Ahead(cfg.off_policy_steps, pending)
     if longest is None:
         run.engine = LengthCheckedEngine(run.engine, cfg, limit, why)
     sync_weights(run.engine, run.policy, run.spec)
+
+
+def _pending_rollouts(cfg: TrainConfig, world: World) -> list:
+    """The rollouts the --resume checkpoint sampled ahead (--off-policy-steps), refused in one line when that run
+    used another K (its rollouts follow that schedule)."""
+    d = ckpt.resolve(cfg.resume)
+    then = ckpt.inspect(d).state.get("config", {}).get("off_policy_steps", 0)
+    if then != cfg.off_policy_steps:
+        raise ckpt.CheckpointError(f"--resume {d} was written by a run with --off-policy-steps {then}; resume with "
+                                   f"--off-policy-steps {then} (the rollouts it sampled ahead follow that schedule)")
+    if not cfg.off_policy_steps:
+        return []
+    if not (d / ahead.ROLLOUTS_JSON).is_file():
+        raise ckpt.CheckpointError(f"--resume {d} holds no {ahead.ROLLOUTS_JSON} (the rollouts sampled ahead); "
+                                   "pass a checkpoint written whole by an --off-policy-steps run")
+    return ahead.read_pending(d, world, cfg.group_size)
 
 
 def _start_logging(run: Run) -> None:

@@ -41,6 +41,7 @@ from torchtitan_compat.config import sparse_layers
 from ..core.distributed import even_slices
 from ..core.policy import sync_weights
 from ..numerics.parity import expert_load_scalars, sampled_logprobs
+from . import ahead
 from .rollout import Rollout, collect
 from .setup import Run
 from .timing import phase_metrics, timed
@@ -114,39 +115,60 @@ def no_signal(step: int, out: dict) -> str:
 
 def run_step(run: Run, step: int, stop=None) -> dict | None:
     """One GRPO step of the run's policy; its scalars, with time/<phase> and time/step (the whole step's wall
-    clock). `stop()`: asked once after the rollout (every rank together); when it says so, the step ends there
-    and returns None, nothing of it applied."""
+    clock). With --off-policy-steps K it trains on the rollout sampled K updates earlier and samples the one
+    of step + K meanwhile (spirl.loops.ahead). `stop()`: asked once after the rollouts this step had to wait
+    for (every rank together); when it says so, the step ends there and returns None, nothing of it applied."""
     times: dict[str, float] = {}
     start = time.perf_counter()
-    world = run.policy.world
-    ro = collect(run, step, times)
+    k = run.cfg.off_policy_steps
+    for j in run.ahead.missing(step):  # K = 0: this step's; K > 0: before step 1, steps 1..K
+        run.ahead.put(sample_ahead(run, j, step - 1, times))
     if stop is not None and stop():
         return None
+    ready = run.ahead.pop(step)
+    if hasattr(run.engine, "sleep"):
+        run.engine.sleep()  # free the KV cache while the trainer trains (--vllm-sleep; K = 0 only)
+    following = ahead.Following(run, step + k, step - 1, times, sample_ahead) if k else None
+    out = {**ready.scalars, **ahead.staleness(ready, step, k)}
+    world = run.world
+    if not world.any(bool((ready.advantages != 0).any())):
+        if world.is_main:  # decided over all ranks: said once
+            log.warning(no_signal(step, out))
+        out["skipped_update"] = 1.0
+        if following is not None:
+            following.finish()
+    else:
+        out.update(train_on(run, ready, times, None if following is None else following.finish))
+        out["skipped_update"] = 0.0
+    if following is not None:
+        run.ahead.put(following.ready)
+        times["rollout"] = following.seconds  # beside the training: the part waited for is rollout_wait
+    times["step"] = time.perf_counter() - start
+    return {**out, **phase_metrics(times, world)}
+
+
+def sample_ahead(run: Run, step: int, version: int, times: dict, started=None) -> ahead.Ready:
+    """The rollout of `step`, sampled by the policy of `version` (the weights the trainer holds now), checked
+    and scored; its scalars over every rank. `started`: its first round begun earlier (spirl.loops.ahead)."""
+    ro = collect(run, step, times, started)
+    world = run.world
     multi_turn = getattr(run.task, "multi_turn", False)
     if multi_turn and run.cfg.save_rollouts:
         suffix = f"_rank{world.rank}" if world.sharded else ""
         save_rollouts(run.run_dir / "rollouts" / f"step_{step:06d}{suffix}.jsonl", ro.sampled, ro.sampled_metas,
                       run.task, ro.sampled_rewards)
-    if hasattr(run.engine, "sleep"):
-        run.engine.sleep()  # free the KV cache while the trainer trains (--vllm-sleep)
     out = step_scalars(run, ro)
     if multi_turn and run.cfg.detect_retokenization and ro.samples:
         with torch.no_grad():
             out.update(detect_retokenization(ro.samples, ro.metas, run.task, run.policy.model, run.device))
-    if not world.any(bool((ro.advantages != 0).any())):
-        if world.is_main:  # decided over all ranks: said once
-            log.warning(no_signal(step, out))
-        out["skipped_update"] = 1.0
-    else:
-        out.update(train_on(run, ro, times))
-        out["skipped_update"] = 0.0
-    times["step"] = time.perf_counter() - start
-    return {**out, **phase_metrics(times, world)}
+    return ahead.Ready(step, version, ro.samples, ro.advantages, out)
 
 
-def train_on(run: Run, ro: Rollout, times: dict) -> dict:
-    """Train on the rollout: reference logprobs when there is a KL term, --updates-per-batch optimizer steps
-    (one per mini-batch), then the weight sync to the engine. Returns the mini-batches' mean metrics."""
+def train_on(run: Run, ro, times: dict, before_update=None) -> dict:
+    """Train on the rollout `ro` (its .samples and .advantages): reference logprobs when there is a KL term,
+    --updates-per-batch optimizer steps (one per mini-batch), then the weight sync to the engine. Returns the
+    mini-batches' mean metrics; with --off-policy-steps, also the first mini-batch's ratio (offpolicy/*: before
+    this step's own updates). `before_update()`: called before the first optimizer step."""
     cfg, policy, device, samples, adv = run.cfg, run.policy, run.device, ro.samples, ro.advantages
     world = policy.world
     ref_lps = None
@@ -158,14 +180,18 @@ def train_on(run: Run, ro: Rollout, times: dict) -> dict:
     real = [sum(not isinstance(s, Placeholder) for s in samples[sl]) for sl in slices]
     slices = [sl for sl, n in zip(slices, world.all_sum(real)) if n]  # none anywhere (few kept groups): no update
     agg: dict[str, float] = {}
-    for sl in slices:
+    for i, sl in enumerate(slices):
         mb, mb_old, mb_ref, mb_adv = samples[sl], old_lps[sl], None if ref_lps is None else ref_lps[sl], adv[sl]
         if not mb:  # this rank has no sequence in this mini-batch: a zero-weight stand-in (update.Placeholder)
             mb, mb_old, mb_adv = [Placeholder(getattr(samples[0], "seq", samples[0]))], old_lps[:1], torch.zeros(1)
             mb_ref = None if ref_lps is None else ref_lps[:1]
-        m = train_minibatch(policy, mb, mb_old, mb_ref, mb_adv, cfg, device, times)
+        m = train_minibatch(policy, mb, mb_old, mb_ref, mb_adv, cfg, device, times, before_update if i == 0 else None)
+        if i == 0 and cfg.off_policy_steps:
+            agg.update(ahead.first_ratio(m))
         for k, v in m.items():
             agg[k] = agg.get(k, 0.0) + v / len(slices)
+    if before_update is not None:  # no mini-batch had a sequence (no optimizer step): the engine is done first
+        before_update()
     with timed(times, "weight_sync"):
         sync_weights(run.engine, policy, run.spec)
     return agg

@@ -108,10 +108,13 @@ def _with_router_aux_loss(policy: Policy, samples, router: tuple[dict, dict], to
             {**metrics, "router_aux_loss": float(aux.detach()) * token_share})
 
 
-def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainConfig, device, times) -> dict:
+def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainConfig, device, times,
+                    before_update=None) -> dict:
     """One optimizer step over `samples`, accumulated over micro-batches of at most
     cfg.max_tokens_per_microbatch tokens. ref_lps is None when there is no KL term. Returns the
-    mini-batch's loss metrics and the per-layer weight deltas. FSDP-sharded: every rank runs as many
+    mini-batch's loss metrics and the per-layer weight deltas. `before_update()`: called once the gradients
+    are computed, before the optimizer changes any weight (--off-policy-steps checks the rollout sampled
+    meanwhile under the weights it was sampled with). FSDP-sharded: every rank runs as many
     forward/backward passes as the rank with the most micro-batches (FSDP's collectives must pair
     up); the extra ones are zero-weight passes over a sequence, which add exact zeros. Several ranks:
     the gradients are averaged over ranks before the optimizer step (`Policy.reduce_grads`)."""
@@ -149,6 +152,8 @@ def train_minibatch(policy: Policy, samples, old_lps, ref_lps, adv, cfg: TrainCo
     if not policy.fsdp and world.any(bad is not None):
         _raise_nonfinite(bad)
     sums = world.mean_over_ranks(sums)  # each rank's share is scaled by the ranks: their mean is the sum
+    if before_update is not None:
+        before_update()
     with timed(times, "optimizer"):
         policy.reduce_grads()
         if cfg.max_grad_norm > 0:
