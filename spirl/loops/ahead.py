@@ -131,33 +131,6 @@ class Ahead:
         return [self.ready[j] for j in sorted(self.ready)]
 
 
-class Following:
-    """The rollout of `step`, sampled during the step before it trains: its first round's prompts drawn now and
-    its sampling begun beside the trainer (Background); `finish()`, called before the trainer's first optimizer
-    update, waits for it and checks, scores and completes it with `complete(run, step, version, times,
-    started)` (spirl.loops.trainer.sample_ahead) while the trainer still holds the weights it was sampled with."""
-
-    def __init__(self, run, step: int, version: int, times: dict, complete):
-        from .rollout import draw, generate_round
-
-        run.source.begin(step)
-        prompts = draw(run, step)
-        threaded = bool(getattr(run.engine, "samples_beside_training", False))
-        self.started = Background(lambda: generate_round(run, step, 0, prompts), threaded, run.device)
-        self.run, self.step, self.version, self.times, self.complete = run, step, version, times, complete
-        self.ready: Ready | None = None
-
-    @property
-    def seconds(self) -> float:
-        """How long the engine's sampling took (beside the trainer)."""
-        return self.started.seconds
-
-    def finish(self) -> None:
-        if self.ready is None:
-            self.ready = self.complete(self.run, self.step, self.version, self.times, self.started)
-            self.run.policy.release_gathered()  # the optimizer step follows: no stale gathered weights
-
-
 def staleness(ready: Ready, step: int, k: int) -> dict:
     """offpolicy/staleness: how many updates separate the policy that trains `step` from the one that sampled
     its rollout (with K > 0; min(step - 1, K))."""

@@ -19,6 +19,8 @@ Per step, in order (1-4: spirl/loops/rollout.py, in rounds with --dynamic-sampli
   7. updates_per_batch optimizer steps, each over one mini-batch split into micro-batches of at
      most max_tokens_per_microbatch tokens, with the loss --loss-type names (spirl/loops/update.py);
   8. weight sync to the engine; metrics (the checkpoints: spirl/loops/run.py).
+With --off-policy-steps K (spirl/loops/ahead.py) steps 1-4 of step s + K run during step s: sampling beside
+steps 5-7, its parity check and rewards just before the first optimizer step (the weights that sampled it).
 
 Memory: fp32 masters + AdamW state + fp32 grads, the bf16 compute model (+ its transient bf16
 grads), a bf16 reference only when kl_coef > 0, activations of one micro-batch (per decoder layer
@@ -42,7 +44,7 @@ from ..core.distributed import even_slices
 from ..core.policy import sync_weights
 from ..numerics.parity import expert_load_scalars, sampled_logprobs
 from . import ahead
-from .rollout import Rollout, collect
+from .rollout import Rollout, collect, draw, generate_round
 from .setup import Run
 from .timing import phase_metrics, timed
 from .loss import reward_std
@@ -128,7 +130,7 @@ def run_step(run: Run, step: int, stop=None) -> dict | None:
     ready = run.ahead.pop(step)
     if hasattr(run.engine, "sleep"):
         run.engine.sleep()  # free the KV cache while the trainer trains (--vllm-sleep; K = 0 only)
-    following = ahead.Following(run, step + k, step - 1, times, sample_ahead) if k else None
+    following = Following(run, step + k, step - 1, times, sample_ahead) if k else None
     out = {**ready.scalars, **ahead.staleness(ready, step, k)}
     world = run.world
     if not world.any(bool((ready.advantages != 0).any())):
@@ -162,6 +164,31 @@ def sample_ahead(run: Run, step: int, version: int, times: dict, started=None) -
         with torch.no_grad():
             out.update(detect_retokenization(ro.samples, ro.metas, run.task, run.policy.model, run.device))
     return ahead.Ready(step, version, ro.samples, ro.advantages, out)
+
+
+class Following:
+    """The rollout of `step`, sampled during the step K before it trains (spirl.loops.ahead): its first round's
+    prompts drawn now and its sampling begun beside the trainer (ahead.Background); `finish()`, called before the trainer's first optimizer
+    update, waits for it and checks, scores and completes it with `complete(run, step, version, times,
+    started)` (sample_ahead) while the trainer still holds the weights it was sampled with."""
+
+    def __init__(self, run, step: int, version: int, times: dict, complete):
+        run.source.begin(step)
+        prompts = draw(run, step)
+        threaded = bool(getattr(run.engine, "samples_beside_training", False))
+        self.started = ahead.Background(lambda: generate_round(run, step, 0, prompts), threaded, run.device)
+        self.run, self.step, self.version, self.times, self.complete = run, step, version, times, complete
+        self.ready: ahead.Ready | None = None
+
+    @property
+    def seconds(self) -> float:
+        """How long the engine's sampling took (beside the trainer)."""
+        return self.started.seconds
+
+    def finish(self) -> None:
+        if self.ready is None:
+            self.ready = self.complete(self.run, self.step, self.version, self.times, self.started)
+            self.run.policy.release_gathered()  # the optimizer step follows: no stale gathered weights
 
 
 def train_on(run: Run, ro, times: dict, before_update=None) -> dict:
