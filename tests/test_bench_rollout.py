@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -197,12 +198,16 @@ class FakeEngines:
         return 0, "", False
 
 
+def _config_dir(d: Path, shape: str) -> Path:
+    """A directory holding only the config.json of `shape` (what the sweep's planner reads)."""
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(hf_config_for_shape(shape)))
+    return d
+
+
 @pytest.fixture
 def model_dir(tmp_path):
-    d = tmp_path / "q17"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(hf_config_for_shape("Qwen3-1.7B")))
-    return d
+    return _config_dir(tmp_path / "q17", "Qwen3-1.7B")
 
 
 def _sweep_argv(model_dir, results, *extra):
@@ -562,10 +567,7 @@ def _no_gpu_memory_query(monkeypatch):
 
 @pytest.fixture
 def moe_dir(tmp_path):
-    d = tmp_path / "Qwen3-30B-A3B"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(hf_config_for_shape("Qwen3-30B-A3B")))
-    return d
+    return _config_dir(tmp_path / "Qwen3-30B-A3B", "Qwen3-30B-A3B")
 
 
 def test_the_engine_without_routes_is_named_and_built_without_them(monkeypatch):

@@ -161,7 +161,7 @@ def setup(cfg: TrainConfig, signals: Signals | None = None, progress: Progress |
     if not world.sharded:  # several ranks close their engines together, after the last step (Run.__exit__)
         run.closing.callback(engine.close)  # frees the GPU and ends vLLM's torch.distributed world: a clean exit
     try:
-        _start_policy(run, limit, why, longest)
+        _start_policy(run, limit, why, longest, resumed)
         _start_logging(run)
     except BaseException:
         run.closing.close()  # what was opened is closed at once when the rest of the set-up fails
@@ -261,26 +261,26 @@ def _data_position(resumed, task) -> int:
     return position
 
 
-def _start_policy(run: Run, limit: int, why: str, longest: int | None) -> None:
-    """The resumed state loaded, prompts of unknown length checked per call, and the engine given the
-    trainer's exact weights (which matters on resume)."""
+def _start_policy(run: Run, limit: int, why: str, longest: int | None, resumed: ckpt.CheckpointInfo | None) -> None:
+    """The resumed state loaded (`resumed`: check_resume's reading of --resume), prompts of unknown length checked
+    per call, and the engine given the trainer's exact weights (which matters on resume)."""
     cfg = run.cfg
     pending = []
     if cfg.resume:
         run.start = resume_into(run.policy, cfg.resume, run.device)
         run.progress.saved = run.start
-        pending = _pending_rollouts(cfg, run.world)
+        pending = _pending_rollouts(cfg, resumed, run.world)
     run.ahead = ahead.Ahead(cfg.off_policy_steps, pending)
     if longest is None:
         run.engine = LengthCheckedEngine(run.engine, cfg, limit, why)
     sync_weights(run.engine, run.policy, run.spec)
 
 
-def _pending_rollouts(cfg: TrainConfig, world: World) -> list:
+def _pending_rollouts(cfg: TrainConfig, resumed: ckpt.CheckpointInfo, world: World) -> list:
     """The rollouts the --resume checkpoint sampled ahead (--off-policy-steps), refused in one line when that run
     used another K (its rollouts follow that schedule)."""
-    d = ckpt.resolve(cfg.resume)
-    then = ckpt.inspect(d).state.get("config", {}).get("off_policy_steps", 0)
+    d = resumed.path
+    then = resumed.state.get("config", {}).get("off_policy_steps", 0)
     if then != cfg.off_policy_steps:
         raise ckpt.CheckpointError(f"--resume {d} was written by a run with --off-policy-steps {then}; resume with "
                                    f"--off-policy-steps {then} (the rollouts it sampled ahead follow that schedule)")

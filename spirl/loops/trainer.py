@@ -130,7 +130,7 @@ def run_step(run: Run, step: int, stop=None) -> dict | None:
     ready = run.ahead.pop(step)
     if hasattr(run.engine, "sleep"):
         run.engine.sleep()  # free the KV cache while the trainer trains (--vllm-sleep; K = 0 only)
-    following = Following(run, step + k, step - 1, times, sample_ahead) if k else None
+    following = Following(run, step + k, step - 1, times) if k else None
     out = {**ready.scalars, **ahead.staleness(ready, step, k)}
     world = run.world
     if not world.any(bool((ready.advantages != 0).any())):
@@ -168,16 +168,16 @@ def sample_ahead(run: Run, step: int, version: int, times: dict, started=None) -
 
 class Following:
     """The rollout of `step`, sampled during the step K before it trains (spirl.loops.ahead): its first round's
-    prompts drawn now and its sampling begun beside the trainer (ahead.Background); `finish()`, called before the trainer's first optimizer
-    update, waits for it and checks, scores and completes it with `complete(run, step, version, times,
-    started)` (sample_ahead) while the trainer still holds the weights it was sampled with."""
+    prompts drawn now and its sampling begun beside the trainer (ahead.Background); `finish()`, called before
+    the trainer's first optimizer update, waits for it and checks, scores and completes it (`sample_ahead`)
+    while the trainer still holds the weights it was sampled with."""
 
-    def __init__(self, run, step: int, version: int, times: dict, complete):
+    def __init__(self, run, step: int, version: int, times: dict):
         run.source.begin(step)
         prompts = draw(run, step)
         threaded = bool(getattr(run.engine, "samples_beside_training", False))
         self.started = ahead.Background(lambda: generate_round(run, step, 0, prompts), threaded, run.device)
-        self.run, self.step, self.version, self.times, self.complete = run, step, version, times, complete
+        self.run, self.step, self.version, self.times = run, step, version, times
         self.ready: ahead.Ready | None = None
 
     @property
@@ -187,7 +187,7 @@ class Following:
 
     def finish(self) -> None:
         if self.ready is None:
-            self.ready = self.complete(self.run, self.step, self.version, self.times, self.started)
+            self.ready = sample_ahead(self.run, self.step, self.version, self.times, self.started)
             self.run.policy.release_gathered()  # the optimizer step follows: no stale gathered weights
 
 
