@@ -440,3 +440,36 @@ def test_tinker_api_trains_a_moe(tmp_path, monkeypatch):
         client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
     finally:
         svc.close()
+
+
+def test_moe_config_picks_the_nearest_tuned_token_count(monkeypatch):
+    """vllm_ops.moe_config: the tuned table's config at the nearest token count (ties: the smaller count, as
+    vLLM's min over abs picks the first), the pinned config where the GPU has no table; copies, never the table's
+    own dicts (the kernel pops keys)."""
+    from torchtitan_compat import vllm_ops
+
+    table = {1: {"BLOCK_SIZE_M": 16}, 64: {"BLOCK_SIZE_M": 32}, 4096: {"BLOCK_SIZE_M": 128}}
+    monkeypatch.setitem(vllm_ops._TUNED, (128, 768), table)
+    monkeypatch.setitem(vllm_ops._TUNED, (8, 32), {})
+    assert [vllm_ops.moe_config(t, 128, 768)["BLOCK_SIZE_M"] for t in (1, 20, 40, 64, 2000, 2081, 99999)] == \
+        [16, 16, 32, 32, 32, 128, 128]
+    vllm_ops.moe_config(1, 128, 768).pop("BLOCK_SIZE_M")
+    assert table[1] == {"BLOCK_SIZE_M": 16}
+    assert vllm_ops.moe_config(5, 8, 32) == vllm_ops.BATCH_INVARIANT_MOE_CONFIG
+
+
+def test_bench_moe_config_candidates_and_refusal(monkeypatch, capsys):
+    """compare/bench_moe_config.py: the pinned config first, every candidate with BLOCK_K 32 (the tiles it checks
+    bit for bit besides vLLM's own); a run outside batch-invariant mode is refused in one line."""
+    from compare import bench_moe_config as b
+    from torchtitan_compat.vllm_ops import BATCH_INVARIANT_MOE_CONFIG
+
+    tuned = [{"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
+              "num_stages": 5}]
+    cands = b.candidates(tuned, BATCH_INVARIANT_MOE_CONFIG)
+    assert cands[0] == BATCH_INVARIANT_MOE_CONFIG and len({b.key(c) for c in cands}) == len(cands)
+    assert all(c["BLOCK_SIZE_K"] == 32 for c in cands)
+    assert {"16x64x32 g1 w4 s5", "16x64x32 g1 w4 s4"} <= {b.name(c) for c in cands}
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert b.main(["--tokens", "8"]) == 2
+    assert "VLLM_BATCH_INVARIANT=1" in capsys.readouterr().err

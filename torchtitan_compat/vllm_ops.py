@@ -13,9 +13,10 @@ docs/vllm-0.26-forward-path.md):
                                             pass, bit for bit; the trainer's only, vLLM runs two)
     attention                              FlashAttention 3 varlen, num_splits=1
     MoE routing (Qwen3-MoE)                torch.ops._moe_C.topk_softmax (CUDA; vLLM's fused_topk)
-    MoE experts                            fused_moe_kernel (Triton, the fixed batch-invariant config) for the
-                                            gate/up and down GEMMs, _C.silu_and_mul, _moe_C.moe_sum: vLLM's
-                                            fused_experts unrolled to keep the gate/up output for the backward
+    MoE experts                            fused_moe_kernel (Triton; vLLM's tuned tiles, the pinned batch-invariant
+                                            config's bits: moe_config) for the gate/up and down GEMMs,
+                                            _C.silu_and_mul, _moe_C.moe_sum: vLLM's fused_experts unrolled to keep
+                                            the gate/up output for the backward
     sampled-token logprob                  vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs
                                             (Triton; NOT torch.log_softmax, which differs by ~1e-6)
     temperature, min-p (processed logprobs) vllm.v1.worker.gpu.sample.gumbel.apply_temperature,
@@ -37,6 +38,42 @@ BATCH_INVARIANT_MOE_CONFIG = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZ
 """The one fused-MoE Triton config vLLM 0.26.0 uses for every token count in batch-invariant mode
 (`fused_moe.get_default_config`). Pinned here so that the trainer computes it even in a process without
 batch-invariant mode (the `--allow-batch-variant` comparison); tests/gpu/test_moe_ops.py checks it is vLLM's."""
+
+
+def moe_config(tokens: int, experts: int, inter: int) -> dict:
+    """The fused-MoE Triton config for a call on `tokens` tokens: vLLM's tuned config for this GPU and expert shape
+    (`tuned_moe_configs`; the nearest token count, as `try_get_optimal_moe_config` picks it), else the pinned one.
+    Every tile gives the pinned config's bits: the kernel's K loop accumulates its MMA steps in order into one
+    fp32 accumulator whatever the tile and BLOCK_K (tests/gpu/test_moe_ops.py checks each tuned config against the
+    pinned one; compare/bench_moe_config.py times them). The engine picks the same (spirl/numerics/vllm_patches.py,
+    patch 5)."""
+    table = tuned_moe_configs(experts, inter)
+    if not table:
+        return dict(BATCH_INVARIANT_MOE_CONFIG)
+    return dict(table[min(table, key=lambda m: abs(m - tokens))])
+
+
+_TUNED: dict[tuple[int, int], dict[int, dict]] = {}
+
+
+def tuned_moe_configs(experts: int, inter: int) -> dict[int, dict]:
+    """{token count: config} from the tuned file vLLM 0.26.0 ships for this GPU, `experts` experts of width `inter`,
+    unquantized (`configs/E=..,N=..,device_name=...json`: what plain vLLM reads; in batch-invariant mode vLLM reads
+    none); {} where it ships none. A user's VLLM_TUNED_CONFIG_FOLDER is not read: its tiles are not checked."""
+    if (experts, inter) not in _TUNED:
+        import json
+        import os
+
+        import vllm.model_executor.layers.fused_moe.fused_moe as fm
+
+        path = os.path.join(os.path.dirname(os.path.realpath(fm.__file__)), "configs",
+                            fm.get_config_file_name(experts, inter, None))
+        table = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                table = {int(m): cfg for m, cfg in json.load(f).items()}
+        _TUNED[(experts, inter)] = table
+    return _TUNED[(experts, inter)]
 
 
 def vllm_runner(model_args) -> str:
@@ -141,15 +178,17 @@ class VLLMBackend:
         w, ids, _ = fused_topk(z, z, top_k, renormalize)
         return w, ids
 
-    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
+    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+                    config: dict | None = None):
         """(y [T, D], c1 [T*k, 2I]): vLLM's `fused_experts` as its Triton experts run it in batch-invariant mode
-        (the fixed 64x64x32 config for every token count), unrolled to return the gate/up output."""
+        (its Triton experts, unrolled to return the gate/up output), with `moe_config`'s tile for T tokens or
+        `config` (compare/bench_moe_config.py times tiles and checks their bits)."""
         from vllm.triton_utils import tl
 
         fm = _moe_module("fused_moe")
         t, k = ids.shape
         e, n2, d = w13.shape
-        cfg = dict(BATCH_INVARIANT_MOE_CONFIG)  # the kernel pops keys from it
+        cfg = dict(config or moe_config(t, e, w2.shape[2]))  # the kernel pops keys from it
         sorted_ids, expert_ids, padded = fm._prepare_expert_assignment(ids, cfg, t, k, e, None,
                                                                        ignore_invalid_experts=True)
         c1 = torch.empty((t, k, n2), dtype=x.dtype, device=x.device)

@@ -55,6 +55,17 @@ Patch 4 - Qwen3's model-class inspection in-process (vLLM 0.26.0; start-up only,
     What: for the Qwen3 module only, `_LazyRegisteredModel.inspect_model_cls` runs its inspection
     function in this process (vLLM's own function; its cache file is written as before); every
     other architecture keeps the subprocess.
+
+Patch 5 - the fused-MoE experts' Triton tiles (vLLM 0.26.0, `VLLM_BATCH_INVARIANT=1`, Qwen3-MoE):
+    Why: in batch-invariant mode `get_moe_configs` returns None before reading vLLM's tuned config file, so
+    `fused_moe_kernel` runs one 64 x 64 x 32 tile at every token count. The tile does not decide the bits (the K
+    loop accumulates its MMA steps in order into one fp32 accumulator whatever BLOCK_M, BLOCK_N or BLOCK_K:
+    every tuned config of the file is checked equal to the pinned one, tests/gpu/test_moe_ops.py), but it decides
+    the speed: on an H200 the tuned tiles take 0.85x the pinned one's time at 8 tokens and 0.62x at 4,096
+    (compare/bench_moe_config.py).
+    What: `get_moe_configs` returns the tuned table vLLM ships for the GPU and shape
+    (`torchtitan_compat.vllm_ops.tuned_moe_configs`; the trainer picks from the same table) for unquantized
+    experts; quantized experts and shapes without a file keep vLLM's own answer (the pinned tile).
 """
 
 from __future__ import annotations
@@ -76,9 +87,11 @@ def apply() -> None:
     _patch_linear_gemm()
     _patch_qwen3_qk_norm_rope()
     _patch_inprocess_model_inspection()
+    _patch_moe_configs()
     _applied = True
     log.info("vLLM patches applied: residual add + batch-invariant Triton RMSNorm; row-count-tuned GEMM (cuBLAS where "
-             "checked bitwise equal); Qwen3 q/k norm + rotary in one pass; Qwen3 model class inspected in-process")
+             "checked bitwise equal); Qwen3 q/k norm + rotary in one pass; Qwen3 model class inspected in-process; "
+             "fused-MoE experts on vLLM's tuned tiles")
 
 
 def _patch_residual_rms_norm() -> None:
@@ -115,6 +128,21 @@ def _patch_linear_gemm() -> None:
 
     linear.linear_batch_invariant = linear_batch_invariant_tuned
     vocab.linear_batch_invariant = linear_batch_invariant_tuned
+
+
+def _patch_moe_configs() -> None:
+    import vllm.model_executor.layers.fused_moe.fused_moe as fm
+
+    from torchtitan_compat.vllm_ops import tuned_moe_configs
+
+    original = fm.get_moe_configs
+
+    def get_moe_configs(E, N, dtype, block_n=None, block_k=None):
+        if dtype is None and not (block_n and block_k):  # unquantized: the tiles checked bitwise (module doc)
+            return tuned_moe_configs(E, N) or None
+        return original(E, N, dtype, block_n, block_k)
+
+    fm.get_moe_configs = get_moe_configs
 
 
 def _reproducible_qk_modules(attn) -> bool:

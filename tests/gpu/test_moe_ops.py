@@ -51,6 +51,40 @@ def test_pinned_config_is_vllms():
         assert get_default_config(m, E, 2 * I, D, K, None) == BATCH_INVARIANT_MOE_CONFIG
 
 
+def test_every_tuned_tile_gives_the_pinned_bits(block):
+    """vLLM's tuned configs for this GPU and Qwen3-30B-A3B's experts (other BLOCK_M, BLOCK_N, BLOCK_K, warps, stages),
+    each at its own token count and at 300 tokens: the sparse block's output and gate/up output are torch.equal to
+    the pinned batch-invariant config's. This is what lets the engine and the trainer run the tuned tiles
+    (vllm_ops.moe_config, vllm_patches patch 5)."""
+    from torchtitan_compat.vllm_ops import BATCH_INVARIANT_MOE_CONFIG, tuned_moe_configs
+
+    be, _, wg, w13, w2, _, _ = block
+    table = tuned_moe_configs(E, I)
+    if not table:
+        pytest.skip(f"vLLM ships no tuned fused-MoE config for {torch.cuda.get_device_name()} at E={E}, N={I}")
+    for m, cfg in sorted(table.items()):
+        for t in sorted({m, 300}):
+            x = rand(t, D, seed=10 + t)
+            w, ids = be.moe_route(be.linear(x, wg), K, True)
+            y0, c0 = be.moe_experts(x, w13, w2, w, ids, config=BATCH_INVARIANT_MOE_CONFIG)
+            y, c1 = be.moe_experts(x, w13, w2, w, ids, config=cfg)
+            assert torch.equal(y, y0) and torch.equal(c1, c0), (m, t, cfg)
+
+
+def test_engine_picks_the_trainers_tile():
+    """With the project's vLLM patches applied, vLLM's own config lookup in batch-invariant mode returns the tile
+    the trainer's moe_config picks, at every token count (tuned table, nearest count); quantized lookups keep
+    vLLM's answer."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    from spirl.numerics import vllm_patches
+    from torchtitan_compat.vllm_ops import moe_config
+
+    vllm_patches.apply()
+    for m in (1, 3, 8, 100, 300, 1000, 4096, 20000):
+        assert try_get_optimal_moe_config((E, 2 * I, D), (E, D, I), K, None, m) == moe_config(m, E, I)
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_route_ids_follow_the_tie_rule(block, renormalize):
     """The op's experts equal a stable descending sort of fp32 softmax (ties: lower index first), on random
