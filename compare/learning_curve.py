@@ -19,6 +19,8 @@ model with the same seed, one after another (a run of the default size takes und
 Per rank, the learning rate whose best-of-last-3 eval is highest (ties: the higher mean over all
 evals) is chosen; <out>/curves.png plots full fine-tuning and each rank's chosen run, <out>/sweep.png every
 run. --min-gain applies to full fine-tuning; parity (0 differing tokens) to every run.
+Asynchronous next to synchronous (`--off-policy-steps 0,1`): one full fine-tuning run per K from the same
+warm-started model and seed; <out>/offpolicy.png draws them together; --min-gain applies to each.
 Same --seed, same numbers: every stage is seeded and runs bitwise-deterministic kernels.
 `--engine native --device cpu` runs the same pipeline on CPU (slowly; the tests use it tiny).
 """
@@ -59,12 +61,17 @@ def parse_args(argv):
     p.add_argument("--lora-ranks", default="", help="comma-separated LoRA ranks to run next to full fine-tuning")
     p.add_argument("--lora-lrs", default="2e-3", help="comma-separated learning rates each LoRA rank runs with")
     p.add_argument("--full", type=int, default=1, choices=(0, 1), help="0: no full fine-tuning run")
+    p.add_argument("--off-policy-steps", default="0", help="comma-separated K: one full fine-tuning run per K "
+                   "(simple_rl.py --off-policy-steps), plotted together in <out>/offpolicy.png")
     a = p.parse_args(argv)
     try:
         a.ranks = [int(r) for r in a.lora_ranks.split(",") if r.strip()]
         a.lrs = [float(x) for x in a.lora_lrs.split(",") if x.strip()]
+        a.ks = [int(k) for k in a.off_policy_steps.split(",") if k.strip()]
     except ValueError:
-        p.error("--lora-ranks takes integers and --lora-lrs numbers, comma-separated")
+        p.error("--lora-ranks and --off-policy-steps take integers and --lora-lrs numbers, comma-separated")
+    if not a.ks or min(a.ks) < 0 or len(set(a.ks)) != len(a.ks):
+        p.error("--off-policy-steps takes distinct integers >= 0, comma-separated (0: synchronous)")
     if a.ranks and not a.lrs or not a.full and not a.ranks:
         p.error("nothing to run: give --lora-lrs with --lora-ranks, or keep --full 1")
     return a
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
                           "--lr", str(a.sft_lr), "--correct-share", str(a.correct_share), "--seed", str(a.seed),
                           *device], a.out)
     native = ["--engine", "native", "--dtype", "float32"] if a.engine == "native" else []
-    runs = ({"arith": (a.lr, [])} if a.full else {}) | {
+    runs = ({full_name(k): (a.lr, ["--off-policy-steps", str(k)] if k else []) for k in a.ks} if a.full else {}) | {
         f"arith-lora{r}-lr{lr:g}": (lr, ["--lora-rank", str(r)]) for r in a.ranks for lr in a.lrs}
     grpo = {name: [py, "simple_rl.py", "--model", str(models / "sft"), "--task", "arith",
                    "--steps", str(a.steps), "--eval-every", str(a.eval_every),
@@ -113,22 +120,21 @@ def main(argv=None) -> int:
     series = {name: load_run(a.out / "runs" / name) for name in runs}
     sums = {name: summary(s) for name, s in series.items()}
     if a.full:
-        stage("4_plot", [py, "compare/plot_run.py", str(a.out / "runs" / "arith"), "--out", str(a.out / "curve.png")],
+        first = full_name(a.ks[0])
+        stage("4_plot", [py, "compare/plot_run.py", str(a.out / "runs" / first), "--out", str(a.out / "curve.png")],
               a.out)
-    ok = True
-    for name, s in sums.items():
-        gain = s["best_last3_eval_accuracy"] - s["first_eval_accuracy"]
-        good = s["parity_tokens_different"] == 0 and (name != "arith" or gain >= a.min_gain)
-        ok &= good
-        print(f"{name}: eval accuracy {s['first_eval_accuracy']:.1f}% before GRPO, {s['best_last3_eval_accuracy']:.1f}% "
-              f"best of the last 3 evals: {gain:+.1f} points over {s['steps']} steps; parity "
-              f"{s['parity_tokens_compared']} tokens compared, {s['parity_tokens_different']} different; "
-              f"{'OK' if good else 'NOT MET'}" + (f" (needs >= {a.min_gain:g} points and 0 different)"
-                                                   if name == "arith" else " (needs 0 different)"))
+    ok = report(sums, a.min_gain)
+    if a.full and len(a.ks) > 1:
+        from compare.plot_run import plot_runs
+
+        plot_runs({("synchronous (K = 0)" if k == 0 else f"--off-policy-steps {k}"): series[full_name(k)]
+                   for k in a.ks}, f"GRPO on arith: synchronous vs asynchronous (same warm start, seed {a.seed})",
+                  a.out / "offpolicy.png")
+        print(f"off-policy curves: {a.out / 'offpolicy.png'}")
     if a.ranks:
         from compare.plot_run import plot_runs
 
-        chosen = {"full fine-tuning" + (f", lr {a.lr:g}" if a.full else ""): "arith"} if a.full else {}
+        chosen = {f"full fine-tuning, lr {a.lr:g}": full_name(a.ks[0])} if a.full else {}
         for r in a.ranks:
             mine = [n for n in runs if n.startswith(f"arith-lora{r}-")]
             best = max(mine, key=lambda n: (sums[n]["best_last3_eval_accuracy"], mean_eval(series[n])))
@@ -140,6 +146,28 @@ def main(argv=None) -> int:
         plot_runs({n: series[n] for n in runs}, "learning-rate sweep", a.out / "sweep.png")
         print(f"curves: {a.out / 'curves.png'}, sweep: {a.out / 'sweep.png'}")
     return 0 if ok else 1
+
+
+def full_name(k: int) -> str:
+    """The run name of full fine-tuning with --off-policy-steps k."""
+    return "arith" if k == 0 else f"arith-offpolicy{k}"
+
+
+def report(sums: dict[str, dict], min_gain: float) -> bool:
+    """One line per run; True when every run found 0 differing tokens and every full fine-tuning run (each K)
+    gained at least min_gain points."""
+    ok = True
+    for name, s in sums.items():
+        full = "-lora" not in name
+        gain = s["best_last3_eval_accuracy"] - s["first_eval_accuracy"]
+        good = s["parity_tokens_different"] == 0 and (not full or gain >= min_gain)
+        ok &= good
+        print(f"{name}: eval accuracy {s['first_eval_accuracy']:.1f}% before GRPO, {s['best_last3_eval_accuracy']:.1f}% "
+              f"best of the last 3 evals: {gain:+.1f} points over {s['steps']} steps; parity "
+              f"{s['parity_tokens_compared']} tokens compared, {s['parity_tokens_different']} different; "
+              f"{'OK' if good else 'NOT MET'}" + (f" (needs >= {min_gain:g} points and 0 different)"
+                                                   if full else " (needs 0 different)"))
+    return ok
 
 
 def mean_eval(series) -> float:

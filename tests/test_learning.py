@@ -152,11 +152,13 @@ def test_arith_warmstart_teacher(task, share, expect):
 def test_learning_curve_pipeline_end_to_end_on_cpu(tmp_path):
     """The one-command pipeline (random model -> warm start -> GRPO with evals -> PNG), tiny and
     on CPU: every stage runs, evals are logged before the first step and after each, the PNG is
-    written, parity is exact. (Learning itself is shown on the GPU: docs/learning-curve.md.)"""
+    written, parity is exact; with --off-policy-steps 0,1 a second run trains with K = 1 (its step 1 is the
+    synchronous run's) and both are drawn on one figure. (Learning itself is shown on the GPU:
+    docs/learning-curve.md.)"""
     out = tmp_path / "lc"
     cmd = [sys.executable, "-m", "compare.learning_curve", "--out", str(out), "--shape", "tiny", "--sft-steps", "3",
            "--sft-batch", "4", "--steps", "2", "--eval-every", "1", "--prompts-per-step", "2", "--group-size", "2",
-           "--engine", "native", "--device", "cpu", "--min-gain", "0"]
+           "--engine", "native", "--device", "cpu", "--min-gain", "0", "--off-policy-steps", "0,1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "runs" / "arith" / "metrics.jsonl").read_text().splitlines()]
@@ -165,5 +167,12 @@ def test_learning_curve_pipeline_end_to_end_on_cpu(tmp_path):
     assert all(r["parity/tokens_different"] == 0 and r["parity/tokens_compared"] > 0 for r in rows[1:])
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tokens compared, 0 different; OK" in proc.stdout
+    k1 = [json.loads(line) for line in (out / "runs" / "arith-offpolicy1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["offpolicy/staleness"] for r in k1[1:]] == [0, 1]
+    same = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "memory/", "offpolicy/"))}  # noqa: E731
+    assert same(k1[1]) == same(rows[1])  # step 1 of K = 1 is the synchronous step 1
+    assert all(r["parity/tokens_different"] == 0 for r in k1[1:])
+    assert (out / "offpolicy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert proc.stdout.count("tokens compared, 0 different; OK") == 2
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "is not empty" in again.stderr
