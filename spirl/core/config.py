@@ -11,6 +11,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import sys
 import textwrap
 from dataclasses import dataclass, fields
@@ -104,7 +105,18 @@ class TrainConfig:
     rounds of --prompts-per-step prompts were sampled (then the step trains on what is kept, with a
     warning). Logged as dynamic/*; parity is checked on every sampled token, kept or not."""
     dynamic_sampling_max_rounds: int = 10
-    """--dynamic-sampling: most rounds of sampling per step (10: the DAPO recipe's max_num_gen_batches in verl)."""
+    """--dynamic-sampling and --filter: most rounds of sampling per step (10: the DAPO recipe's
+    max_num_gen_batches in verl)."""
+    filter: tuple[str, ...] = ()
+    """Sample filters (repeatable): a step trains on the first --prompts-per-step groups (one prompt's samples)
+    that every filter keeps; dropped groups are replaced by new prompts in further rounds, as --dynamic-sampling
+    does (it is `--filter reward_spread`). Built-ins: reward_spread, min_reward:X (best reward >= X), diversity:F
+    (distinct completions / group size >= F), length:LO-HI (every completion's tokens); or path/to/file.py:func
+    / package.module:func, called per group as func(prompts, completions, completion_ids, rewards, **kwargs) ->
+    bool (spirl/loops/filters.py). Logged as filter/<name>/dropped and dynamic/*."""
+    oversample: float = 1.0
+    """With --filter or --dynamic-sampling: each round samples ceil(--prompts-per-step x oversample) prompts, and
+    the step trains on the first --prompts-per-step groups kept, in the order sampled (1 = no over-sampling)."""
     seed: int = 0
     """Seed of everything random (prompts, sampling); same seed -> identical run."""
     run_name: str = "grpo"
@@ -309,6 +321,10 @@ class TrainConfig:
             (self.mask_truncated_completions in (0, 1), "mask_truncated_completions must be 0 or 1"),
             (self.dynamic_sampling in (0, 1), "dynamic_sampling must be 0 or 1"),
             (self.dynamic_sampling_max_rounds >= 1, "dynamic_sampling_max_rounds must be >= 1"),
+            (self.oversample >= 1.0 and self.oversample == self.oversample, "oversample must be >= 1"),
+            (self.oversample == 1.0 or bool(self.filter) or bool(self.dynamic_sampling),
+             "--oversample needs --filter or --dynamic-sampling 1: without a filter every group is kept, and the "
+             "extra prompts would be sampled for nothing"),
         ]
 
     def _data_rules(self) -> list[tuple[bool, str]]:
@@ -334,6 +350,11 @@ class TrainConfig:
                           weight_decay=self.weight_decay, reference=self.kl_coef > 0,
                           activation_checkpointing=bool(self.activation_checkpointing), lora_base=self.lora_base,
                           seed=self.seed)
+
+    @property
+    def prompts_per_round(self) -> int:
+        """How many prompts a round of sampling draws: --prompts-per-step, times --oversample rounded up."""
+        return math.ceil(self.prompts_per_step * self.oversample - 1e-9)
 
     @property
     def lora(self) -> bool:

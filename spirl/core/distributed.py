@@ -329,6 +329,10 @@ def check_distributed_config(cfg, world: World) -> None:
     if cfg.prompts_per_step % world.size:
         raise ConfigError(f"--prompts-per-step {cfg.prompts_per_step} does not split over {world.size} ranks "
                           f"(each rank samples whole groups); pass a multiple of {world.size}")
+    if cfg.prompts_per_round % world.size:
+        raise ConfigError(f"--oversample {cfg.oversample:g} makes rounds of {cfg.prompts_per_round} prompts, which "
+                          f"do not split over {world.size} ranks; choose it so that --prompts-per-step x oversample "
+                          f"is a multiple of {world.size}")
     per_rank = cfg.prompts_per_step // world.size * cfg.group_size
     if per_rank % cfg.updates_per_batch:
         raise ConfigError(f"--updates-per-batch {cfg.updates_per_batch} does not divide the {per_rank} sequences "

@@ -90,6 +90,7 @@ _KNOWN: list[tuple[str, str, int, str]] = [
     ("spirl.tasks", "TaskError", EXIT_USAGE, ""),
     ("spirl.tasks.rewards", "RewardError", EXIT_USAGE, ""),
     ("spirl.tasks.dataset", "DatasetError", EXIT_USAGE, ""),
+    ("spirl.loops.filters", "FilterError", EXIT_USAGE, ""),
     ("torchtitan_compat.config", "ConfigError", EXIT_MODEL, ""),
     ("torchtitan_compat.tokenizer", "TokenizerError", EXIT_MODEL, ""),
     ("weights", "WeightsError", EXIT_MODEL, ""),

@@ -6,7 +6,8 @@ GRPO, `simple_rl.py`'s run, from the top:
     setup.py      setup(cfg) -> Run: checks, model, task, policy and engine, logger; everything a step reads
     signals.py    SIGINT / SIGTERM during a run, and the one line an interrupt ends with
     trainer.py    run_step(run, step): rollout -> parity -> rewards -> advantages -> updates -> weight sync
-    rollout.py    collect(run, step): the step's samples, parity and rewards, in rounds with dynamic sampling
+    rollout.py    collect(run, step): the step's samples, parity and rewards, in rounds when filters drop groups
+    filters.py    --filter / --dynamic-sampling's group filters, --oversample's round size
     prompts.py    where a step's prompts come from (a seeded draw, or a dataset's order) and its seeds
     update.py     one optimizer update over a mini-batch (micro-batches, the loss, the optimizer step)
     loss.py       advantages and the loss menu

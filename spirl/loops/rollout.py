@@ -8,14 +8,15 @@ A round: the engine samples group_size completions per prompt; the trainer recom
 sampled token, which must equal the engine's bit for bit (ParityError otherwise: the step is not applied);
 then the rewards. Without --dynamic-sampling the step is one round of --prompts-per-step prompts.
 
---dynamic-sampling (DAPO, arXiv 2503.14476, section 3.2): a group whose rewards are all equal has zero
-advantage and teaches nothing. Rounds of --prompts-per-step new prompts (round r > 0 samples with
-round_seed(seed, step, r)) are sampled until --prompts-per-step groups with unequal rewards are kept, in the
-order they were sampled (kept groups beyond that are unused), or until --dynamic-sampling-max-rounds, after
-which the step trains on what is kept (a warning says so; none kept: no update). Which groups are kept is
-decided over every rank's groups (gathered), and each rank then trains on a contiguous share of the kept
-groups, so N ranks keep and train on exactly what one process does. Parity is checked on every sampled token
-of every round, kept or dropped.
+Filters (--filter, --dynamic-sampling: spirl/loops/filters.py): a group (one prompt's samples) is trained on
+only when every filter keeps it (--dynamic-sampling is DAPO's, arXiv 2503.14476, section 3.2: a group whose
+rewards are all equal has zero advantage and teaches nothing). Rounds of new prompts (--prompts-per-step, times
+--oversample; round r > 0 samples with round_seed(seed, step, r)) are sampled until --prompts-per-step groups are
+kept, in the order they were sampled (kept groups beyond that are unused), or until
+--dynamic-sampling-max-rounds, after which the step trains on what is kept (a warning says so; none kept: no
+update). Which groups are kept is decided over every rank's groups (gathered), and each rank then trains on a
+contiguous share of the kept groups, so N ranks keep and train on exactly what one process does. Parity is
+checked on every sampled token of every round, kept or dropped.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..core.multiturn import episode_metrics, prompt_seeds, run_episodes
 from ..numerics.parity import ParityReport, check_parity, sampled_logprobs_and_routes
 from ..tasks.dataset import DatasetError
 from ..tasks.rewards import RewardError, Scored, score
+from .filters import FilterError, Group, GroupFilter
 from .loss import grpo_advantages
 from .prompts import round_seed
 from .setup import Run
@@ -125,12 +127,6 @@ def not_applied(e: Exception, step: int) -> str:
     return f"{e}; nothing is lost: step {step} was not applied, and the last checkpoint (if any) is kept for --resume"
 
 
-def informative(rewards: torch.Tensor) -> bool:
-    """A group's rewards [G] give a learning signal: at least two scorable (non-NaN) ones differ."""
-    r = rewards[~torch.isnan(rewards)]
-    return r.numel() >= 2 and bool((r != r[0]).any())
-
-
 # -- the step's rollout ---------------------------------------------------------------------------------------
 
 
@@ -163,10 +159,10 @@ def _merge(a: ParityReport | None, b: ParityReport) -> ParityReport:
 
 
 def draw(run: Run, step: int) -> list:
-    """This rank's share of the next --prompts-per-step prompts of `step` (every rank draws the same list: a
-    bad row fails every rank alike)."""
+    """This rank's share of the next round's prompts of `step` (--prompts-per-step, times --oversample; every rank
+    draws the same list: a bad row fails every rank alike)."""
     try:
-        return shard_of(run.source.draw(run.cfg.prompts_per_step), run.world)
+        return shard_of(run.source.draw(run.cfg.prompts_per_round), run.world)
     except DatasetError as e:
         raise DatasetError(not_applied(e, step)) from None
 
@@ -180,22 +176,26 @@ def collect(run: Run, step: int, times: dict, started=None) -> Rollout:
     if started is None:
         run.source.begin(step)
     rounds: list[Round] = []
-    kept = KeptGroups(cfg.group_size)
-    rounds_allowed = cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 1
-    while len(rounds) < rounds_allowed and (not cfg.dynamic_sampling or len(kept.groups) < want):
+    filters = run.filters
+    kept = KeptGroups(cfg.group_size, filters, step)
+    rounds_allowed = cfg.dynamic_sampling_max_rounds if filters else 1
+    while len(rounds) < rounds_allowed and (not filters or len(kept.groups) < want):
         if started is not None and not rounds:
             rnd = sample_round(run, step, 0, None, times, generated=started)
         else:
             rnd = sample_round(run, step, len(rounds), draw(run, step), times)
         rounds.append(rnd)
-        if cfg.dynamic_sampling:
-            kept.add(rnd, world)
+        if filters:
+            try:
+                kept.add(rnd, world)
+            except FilterError as e:  # every rank runs the filters on the same gathered groups: all fail alike
+                raise FilterError(not_applied(e, step)) from e
     metrics = _sampled_metrics(rounds, world)
-    if cfg.dynamic_sampling:
+    if filters:
         metrics.update(kept.metrics(len(rounds), want))
         if len(kept.groups) < want and world.is_main:
-            log.warning("step %d: dynamic sampling kept %d of %d groups with unequal rewards in %d rounds "
-                        "(--dynamic-sampling-max-rounds); training on those %d", step, len(kept.groups), want,
+            log.warning("step %d: the filters (%s) kept %d of %d groups in %d rounds (--dynamic-sampling-max-rounds); "
+                        "training on those %d", step, ", ".join(f.name for f in filters), len(kept.groups), want,
                         len(rounds), len(kept.groups))
         samples, metas, adv = kept.share(want, cfg, world)
     else:
@@ -212,33 +212,37 @@ def collect(run: Run, step: int, times: dict, started=None) -> Rollout:
 
 
 class KeptGroups:
-    """--dynamic-sampling's choice: the groups with unequal rewards of every round and rank, in the order they
-    were sampled, and how many were dropped."""
+    """The filters' choice (spirl/loops/filters.py): the groups every filter keeps, of every round and rank, in the
+    order they were sampled, and how many each filter dropped (the first that drops a group counts it)."""
 
-    def __init__(self, group_size: int):
-        self.g = group_size
+    def __init__(self, group_size: int, filters: list[GroupFilter], step: int):
+        self.g, self.filters, self.step = group_size, filters, step
         self.groups: list[tuple] = []
         """(sequences, metas, rewards, per_func) of each kept group, every rank's, in order."""
-        self.dropped = 0
+        self.sampled = 0
+        self.dropped = {f.name: 0 for f in filters}
 
     def add(self, rnd: Round, world: World) -> None:
-        """Keep the informative groups of a round (gathered from every rank, in rank order)."""
+        """Keep the groups of a round that pass every filter (gathered from every rank, in rank order)."""
         g = self.g
         for seqs, metas, rewards, per_func in world.gather((rnd.samples, rnd.metas, rnd.scored.rewards,
                                                               rnd.scored.per_func)):
             for i in range(0, len(seqs), g):
                 group = (seqs[i:i + g], metas[i:i + g], rewards[i:i + g], per_func[i:i + g])
-                if informative(group[2]):
+                self.sampled += 1
+                drop = next((f for f in self.filters if not f.keep(Group(*group), self.step)), None)
+                if drop is None:
                     self.groups.append(group)
                 else:
-                    self.dropped += 1
+                    self.dropped[drop.name] += 1
 
     def metrics(self, rounds: int, want: int) -> dict:
         used = min(len(self.groups), want)
-        return {"dynamic/rounds": float(rounds), "dynamic/groups_sampled": float(rounds * want),
-                "dynamic/groups_dropped": float(self.dropped), "dynamic/groups_kept": float(used),
+        return {"dynamic/rounds": float(rounds), "dynamic/groups_sampled": float(self.sampled),
+                "dynamic/groups_dropped": float(sum(self.dropped.values())), "dynamic/groups_kept": float(used),
                 "dynamic/groups_unused": float(len(self.groups) - used),
-                "dynamic/round_limit": float(len(self.groups) < want)}
+                "dynamic/round_limit": float(len(self.groups) < want),
+                **{f"filter/{name}/dropped": float(n) for name, n in self.dropped.items()}}
 
     def share(self, want: int, cfg, world: World) -> tuple[list, list, torch.Tensor]:
         """This rank's (samples, metas, advantages) of the first `want` kept groups: advantages over all of

@@ -45,6 +45,7 @@ from ..core.preflight import (LengthCheckedEngine, check_memory, check_prompt_le
                               resolve_model, validate_model_dir)
 from ..core.spec import PolicySpec
 from . import ahead
+from .filters import load_filters
 from . import precompile as warmup
 from .evaluation import require_eval_set
 from .prompts import DataCursor, PromptSource, ordered
@@ -103,6 +104,8 @@ class Run:
     ahead: object = None
     """The rollouts sampled and not yet trained on (spirl.loops.ahead.Ahead; with --off-policy-steps, a
     checkpoint's)."""
+    filters: list = field(default_factory=list)
+    """--dynamic-sampling's and --filter's group filters (spirl.loops.filters), in order; empty: every group kept."""
     first_scalars: dict = field(default_factory=dict)
     """Scalars logged with the first step (what --precompile built)."""
     closing: ExitStack = field(default_factory=ExitStack)
@@ -148,7 +151,7 @@ def setup(cfg: TrainConfig, signals: Signals | None = None, progress: Progress |
         require_cuda("--engine vllm", _NATIVE)
     device = world.device if world is not None else resolve_device(cfg.device)
     world = world or World(device=device)
-    task, source = _task(cfg, model, world, resumed)
+    task, source, filters = _task(cfg, model, world, resumed)
     limit, why = engine_max_model_len(cfg, model.args)
     longest = check_prompt_lengths(task, cfg, limit, why)  # None: prompts not known up front
     if device.type == "cuda":
@@ -157,7 +160,8 @@ def setup(cfg: TrainConfig, signals: Signals | None = None, progress: Progress |
                      world.size if world.sharded and lora is None else 0, None if lora is None else lora.spec)
     spec = cfg.policy_spec(lora)
     policy, engine = build_policy_and_engine(model, spec, device, world)
-    run = Run(cfg, world, device, model, reference, task, source, spec, policy, engine, run_dir, 0, signals, progress)
+    run = Run(cfg, world, device, model, reference, task, source, spec, policy, engine, run_dir, 0, signals, progress,
+              filters=filters)
     if not world.sharded:  # several ranks close their engines together, after the last step (Run.__exit__)
         run.closing.callback(engine.close)  # frees the GPU and ends vLLM's torch.distributed world: a clean exit
     try:
@@ -230,9 +234,9 @@ def _checkpoint(cfg: TrainConfig, world: World | None) -> tuple[ModelDir, dict]:
     return model, {"model": cfg.model, "model_dir": str(model_dir), "fingerprint": model_fingerprint(model_dir)}
 
 
-def _task(cfg: TrainConfig, model: ModelDir, world: World, resumed) -> tuple[object, PromptSource]:
-    """The task (a --dataset or a --task) and its prompt source at the resumed data position; its eval set
-    and its fit to the ranks checked."""
+def _task(cfg: TrainConfig, model: ModelDir, world: World, resumed) -> tuple[object, PromptSource, list]:
+    """The task (a --dataset or a --task), its prompt source at the resumed data position and the group filters
+    (--filter, --dynamic-sampling); its eval set and its fit to the ranks checked."""
     tokenizer = load_checked_tokenizer(model.path)
     if cfg.dataset:
         from ..tasks import dataset
@@ -245,7 +249,8 @@ def _task(cfg: TrainConfig, model: ModelDir, world: World, resumed) -> tuple[obj
     source = PromptSource(task, cfg.seed, DataCursor(_data_position(resumed, task)))
     require_eval_set(task, cfg)
     check_distributed_task(task, cfg, world)
-    return task, source
+    filters = load_filters(cfg, tokenizer, bool(getattr(task, "multi_turn", False)))
+    return task, source, filters
 
 
 def _data_position(resumed, task) -> int:

@@ -10,8 +10,8 @@ Per step, in order (1-4: spirl/loops/rollout.py, in rounds with --dynamic-sampli
   3. the trainer's packed forward on the sampled ids (no grad) must equal the engine's logprob of
      every sampled token bit for bit (under the distribution --logprobs names), else ParityError
      (report written, no new checkpoint);
-  4. rewards, group-relative advantages (--scale-rewards); with --dynamic-sampling, groups of equal
-     rewards are dropped and more are sampled; with --vllm-sleep the engine then sleeps (KV cache
+  4. rewards, group-relative advantages (--scale-rewards); with --dynamic-sampling or --filter, groups the
+     filters drop are replaced by more sampled (spirl/loops/filters.py); with --vllm-sleep the engine then sleeps (KV cache
      freed, weights in host memory) until the weight sync;
   5. reference-policy logprobs (frozen copy of the initial weights; only when kl_coef > 0);
   6. if every advantage is zero (all groups had equal rewards) there is no learning signal: the
