@@ -218,7 +218,8 @@ SIMPLE = ["bad_llama", "bad_truncated", "bad_renamed", "bad_empty", "bad_bin_onl
           "resume_other_model", "resume_other_reference", "parity_broken", "loss_nan", "bug_has_traceback",
           "debug_env_traceback", "debug_flag_traceback", "bad_flag",
           "compare_no_network", "compare_vllm_missing", "compare_bad_checkpoint", "compare_no_cuda",
-          "compare_bad_args", "compare_no_prompt"]
+          "compare_bad_args", "compare_no_prompt", "filter_bad_builtin", "filter_missing_file",
+          "oversample_without_filter"]
 INTERRUPTS = ["sigint", "sigterm"]
 
 
@@ -287,6 +288,12 @@ def build_cases(tiny: Path, tmp: Path) -> dict[str, Case]:
                                       r"is unusable: state\.json is not valid JSON")
     c["resume_dangling_latest"] = Case(model + ONE_STEP + ["--resume", str(resume["dangling_latest"])], 3,
                                        r"latest names 'step_000007', which is not a complete checkpoint")
+    c["filter_bad_builtin"] = Case(model + ONE_STEP + ["--filter", "min_reward:high"], 2,
+                                   r"--filter 'min_reward:high': 'high' is not a number")
+    c["filter_missing_file"] = Case(model + ONE_STEP + ["--filter", str(tmp / "nope.py") + ":keep"], 2,
+                                    r"--filter .*nope\.py:keep': there is no file")
+    c["oversample_without_filter"] = Case(model + ONE_STEP + ["--oversample", "2"], 2,
+                                          r"--oversample needs --filter or --dynamic-sampling 1")
     c["resume_missing"] = Case(model + ONE_STEP + ["--resume", str(tmp / "no_ckpt")], 3, r"no checkpoint at ")
     c["resume_other_model"] = Case(model + ONE_STEP + ["--resume", str(resume["other_model"])], 3,
                                    r"was written for another model \(tok_embeddings\.weight is \[1000, 128\] there but "
