@@ -6,7 +6,7 @@ samples its contiguous share (`shard_of`), with the seed one process uses.
 
 A round: the engine samples group_size completions per prompt; the trainer recomputes the logprob of every
 sampled token, which must equal the engine's bit for bit (ParityError otherwise: the step is not applied);
-then the rewards. Without --dynamic-sampling the step is one round of --prompts-per-step prompts.
+then the rewards. Without filters (--filter, --dynamic-sampling) the step is one round of --prompts-per-step prompts.
 
 Filters (--filter, --dynamic-sampling: spirl/loops/filters.py): a group (one prompt's samples) is trained on
 only when every filter keeps it (--dynamic-sampling is DAPO's, arXiv 2503.14476, section 3.2: a group whose
