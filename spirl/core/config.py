@@ -173,6 +173,12 @@ class TrainConfig:
     checked bit for bit, when it is sampled, against the trainer under the weights that sampled it. The schedule
     depends on K and --seed only: a run repeats and resumes bit for bit. 0 = synchronous (sample, then train).
     spirl/loops/ahead.py."""
+    partial_rollout_tokens: int = 0
+    """Partial rollouts: a step samples at most this many new tokens per completion; completions that have not
+    ended are carried to the next step and continued there (under that step's weights), and a group is trained
+    on in the step its last completion ends, with each token's behaviour logprob from the weights that sampled
+    it (checked bit for bit then). Decided by the seeds and the schedule, never by timing; checkpoints hold what
+    is carried. 0 = off (every completion ends within its step). spirl/loops/partial.py."""
     max_tokens_per_microbatch: int = 16384
     """Gradient accumulation by tokens: each micro-batch packs whole sequences up to this many
     tokens (a longer sequence gets a micro-batch of its own). Bounds activation memory."""
@@ -270,6 +276,10 @@ class TrainConfig:
             (self.precompile in (0, 1), "precompile must be 0 or 1"),
             (self.vllm_sleep in (0, 1), "vllm_sleep must be 0 or 1"),
             (self.off_policy_steps >= 0, "off_policy_steps must be >= 0 (0 = synchronous)"),
+            (self.partial_rollout_tokens >= 0, "partial_rollout_tokens must be >= 0 (0 = off)"),
+            (not (self.partial_rollout_tokens and (self.filter or self.dynamic_sampling)),
+             "--partial-rollout-tokens with --filter / --dynamic-sampling: a filter would judge groups before their "
+             "completions end; use one of them"),
             (not (self.off_policy_steps and self.vllm_sleep),
              "--vllm-sleep 1 cannot be used with --off-policy-steps: the engine samples the next rollout while the "
              "trainer trains, so it cannot sleep then; set --vllm-sleep 0 (or --off-policy-steps 0)"),

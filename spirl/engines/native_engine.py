@@ -72,8 +72,11 @@ class NativeEngine:
 
     @torch.no_grad()
     def sample(self, requests: list[Request]) -> list[list[Sample]]:
-        """Each request's n samples with its own settings (one request at a time)."""
-        out = []
+        """Each request's n samples with its own settings (sampled one request at a time), their logprobs from one
+        packed forward over every sample of the call that shares a temperature and min-p: the forward the trainer's
+        parity check runs over the same samples (--partial-rollout-tokens sends new prompts and continuations in
+        one call; the Tinker API's engine scores each sequence alone, `one_per_forward`)."""
+        out, by_dist = [], {}
         for r in requests:
             gen = torch.Generator(device=self.device).manual_seed(0 if r.seed is None else r.seed)
             pick = dict(temperature=r.temperature, min_p=r.min_p, top_k=r.top_k, top_p=r.top_p) if r.temperature > 0 \
@@ -81,7 +84,10 @@ class NativeEngine:
             stops = set(r.stop_token_ids) | (set() if r.ignore_eos else self.eos_ids)
             group = [Sample(list(r.prompt), c, torch.empty(0), reason)
                      for c, reason in self._sample_group(list(r.prompt), r.n, r.max_tokens, pick, gen, stops)]
-            out.append(self.rescore(group, r.temperature, r.min_p))
+            by_dist.setdefault((r.temperature, r.min_p), []).extend(group)
+            out.append(group)
+        for (temperature, min_p), seqs in by_dist.items():
+            self.rescore(seqs, temperature, min_p)  # sets each sample's logprobs (and routes) in place
         return out
 
     @torch.no_grad()

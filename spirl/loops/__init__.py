@@ -8,6 +8,8 @@ GRPO, `simple_rl.py`'s run, from the top:
     trainer.py    run_step(run, step): rollout -> parity -> rewards -> advantages -> updates -> weight sync
     rollout.py    collect(run, step): the step's samples, parity and rewards, in rounds when filters drop groups
     filters.py    --filter / --dynamic-sampling's group filters, --oversample's round size
+    partial.py    --partial-rollout-tokens: completions carried to the next step, their checkpoints
+    ahead.py      --off-policy-steps: rollouts sampled ahead, their schedule and checkpoints
     prompts.py    where a step's prompts come from (a seeded draw, or a dataset's order) and its seeds
     update.py     one optimizer update over a mini-batch (micro-batches, the loss, the optimizer step)
     loss.py       advantages and the loss menu

@@ -148,7 +148,7 @@ def first_ratio(metrics: dict) -> dict:
 # -- checkpoints ----------------------------------------------------------------------------------------------
 
 
-def _encode(seq, tensors: dict, i: int) -> dict:
+def encode_sequence(seq, tensors: dict, i: int) -> dict:
     """One sequence as JSON (ids, finish reason; a multi-turn Trajectory's own to_json), its float32 logprobs
     and uint8 routes as tensors `logprobs.i` / `routes.i` (bit for bit)."""
     if isinstance(seq, Trajectory):
@@ -160,7 +160,7 @@ def _encode(seq, tensors: dict, i: int) -> dict:
             "finish_reason": seq.finish_reason}
 
 
-def _decode(d: dict, tensors: dict, i: int):
+def decode_sequence(d: dict, tensors: dict, i: int):
     if "trajectory" in d:
         return Trajectory.from_json(d["trajectory"])
     return Sample(d["prompt_ids"], d["completion_ids"], tensors[f"logprobs.{i}"], d["finish_reason"],
@@ -181,7 +181,7 @@ def gather_pending(pending: list[Ready], world: World) -> tuple[dict, dict[str, 
         tensors[f"advantages.{ready.step}"] = torch.tensor(adv, dtype=torch.float32)
         encoded = []
         for s in seqs:
-            encoded.append(_encode(s, tensors, i))
+            encoded.append(encode_sequence(s, tensors, i))
             i += 1
         doc["rollouts"].append({"step": ready.step, "version": ready.version, "scalars": ready.scalars,
                                 "sequences": encoded})
@@ -207,7 +207,7 @@ def read_pending(directory: Path, world: World, group_size: int) -> list[Ready]:
     for r in doc["rollouts"]:
         seqs = []
         for d in r["sequences"]:
-            seqs.append(_decode(d, tensors, i))
+            seqs.append(decode_sequence(d, tensors, i))
             i += 1
         adv = tensors[f"advantages.{r['step']}"]
         share = even_slices(len(seqs) // group_size, world.size)[world.rank]

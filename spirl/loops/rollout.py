@@ -32,6 +32,7 @@ from ..numerics.parity import ParityReport, check_parity, sampled_logprobs_and_r
 from ..tasks.dataset import DatasetError
 from ..tasks.rewards import RewardError, Scored, score
 from .filters import FilterError, Group, GroupFilter
+from .partial import PartialRound, sample_partial
 from .loss import grpo_advantages
 from .prompts import round_seed
 from .setup import Run
@@ -58,6 +59,8 @@ class Round:
     scored: Scored
     report: ParityReport
     extra: dict = field(default_factory=dict)
+    partial: PartialRound | None = None
+    """--partial-rollout-tokens: the round's groups (continued and new); `samples` are those of the ended ones."""
 
 
 @dataclass
@@ -69,14 +72,19 @@ class Generated:
     metas: list
     outputs: list
     extra: dict
+    partial: PartialRound | None = None
 
 
-def generate_round(run: Run, step: int, r: int, prompts: list) -> Generated:
+def generate_round(run: Run, step: int, r: int, prompts: list, carried: list | None = None) -> Generated:
     """The engine's part of round r of a step: this rank's `prompts` sampled with the round's seeds (no parity,
-    no rewards). It reads only the engine, so it can run beside the trainer's forward and backward
-    (spirl.loops.ahead)."""
+    no rewards); with --partial-rollout-tokens also the continuations of `carried` (this rank's share of the
+    carried groups, spirl.loops.partial). It reads only the engine, so it can run beside the trainer's forward and
+    backward (spirl.loops.ahead)."""
     cfg, task, engine, world = run.cfg, run.task, run.engine, run.world
     seed, first = round_seed(cfg.seed, step, r), world.rank * len(prompts)  # shard_of's equal contiguous shares
+    if cfg.partial_rollout_tokens:
+        pr = sample_partial(engine, cfg, step, first, prompts, carried if carried is not None else [])
+        return Generated(pr.segments, [], [], {}, pr)
     if getattr(task, "multi_turn", False):
         samples, metas = run_episodes(engine, task, prompts, cfg.group_size, cfg.max_turns, cfg.max_new_tokens,
                                       cfg.temperature, seed, max_len=cfg.max_model_len, first=first,
@@ -89,7 +97,7 @@ def generate_round(run: Run, step: int, r: int, prompts: list) -> Generated:
     return Generated(samples, metas, [s.completion_ids for s in samples], {})
 
 
-def sample_round(run: Run, step: int, r: int, prompts: list, times: dict, generated=None) -> Round:
+def sample_round(run: Run, step: int, r: int, prompts: list, times: dict, generated=None, carried=None) -> Round:
     """Sample this rank's `prompts` (round r of the step), check parity on every sampled token, score them.
     `generated`: the round's samples when they were started earlier (a spirl.loops.ahead.Background whose
     result() is the Generated). Collective on several ranks (parity and a failing reward fail every rank)."""
@@ -97,23 +105,27 @@ def sample_round(run: Run, step: int, r: int, prompts: list, times: dict, genera
     world = policy.world
     if generated is None:
         with timed(times, "rollout"):
-            gen = generate_round(run, step, r, prompts)
+            gen = generate_round(run, step, r, prompts, carried)
     else:
         with timed(times, "rollout_wait"):  # the part of the background sampling the trainer waits for
             gen = generated.result()
-    samples, metas = gen.samples, gen.metas
-    with timed(times, "parity"), torch.no_grad():
-        trainer_lps, routes = sampled_logprobs_and_routes(policy.model, samples, run.device, sampling_dist(cfg))
-        report = check_parity(samples, trainer_lps, step, run.run_dir, engine, policy, routes)
+    with timed(times, "parity"), torch.no_grad():  # every token sampled this round (partial: each new segment)
+        trainer_lps, routes = sampled_logprobs_and_routes(policy.model, gen.samples, run.device, sampling_dist(cfg))
+        report = check_parity(gen.samples, trainer_lps, step, run.run_dir, engine, policy, routes)
         del trainer_lps, routes
+    samples, metas, outputs = gen.samples, gen.metas, gen.outputs
+    if gen.partial is not None:  # only the groups whose completions have all ended are scored (and trained)
+        done = [g for g, e in zip(gen.partial.groups, gen.partial.ended) if e]
+        samples, metas = [s for g in done for s in g.samples], [m for g in done for m in g.metas]
+        outputs = [s.completion_ids for s in samples]
     error, scored = None, None
     with timed(times, "reward"):
         try:
-            scored = score(task, gen.outputs, metas, step, cfg)
+            scored = score(task, outputs, metas, step, cfg)
         except RewardError as e:
             error = RewardError(not_applied(e, step))
     world.raise_if_any(error)
-    return Round(samples, metas, scored, report, gen.extra)
+    return Round(samples, metas, scored, report, gen.extra, gen.partial)
 
 
 def advantages(rewards: torch.Tensor, cfg) -> torch.Tensor:
@@ -175,6 +187,8 @@ def collect(run: Run, step: int, times: dict, started=None) -> Rollout:
     want = cfg.prompts_per_step
     if started is None:
         run.source.begin(step)
+    if cfg.partial_rollout_tokens:
+        return _collect_partial(run, step, times, started)
     rounds: list[Round] = []
     filters = run.filters
     kept = KeptGroups(cfg.group_size, filters, step)
@@ -209,6 +223,36 @@ def collect(run: Run, step: int, times: dict, started=None) -> Rollout:
     sampled, sampled_metas = [s for r in rounds for s in r.samples], [m for r in rounds for m in r.metas]
     return Rollout(samples, metas, adv, sampled, sampled_metas, torch.cat([r.scored.rewards for r in rounds]),
                    torch.cat([r.scored.per_func for r in rounds]), rounds[0].scored.names, report, metrics)
+
+
+def _collect_partial(run: Run, step: int, times: dict, started) -> Rollout:
+    """--partial-rollout-tokens: one engine call for the new prompts and this rank's share of the carried groups;
+    the groups that ended, of every rank in the order their prompts were drawn, are trained on (shared out as the
+    filters' kept groups are); the others are carried (spirl.loops.partial)."""
+    world = run.world
+    if started is not None:
+        rnd = sample_round(run, step, 0, None, times, generated=started)
+    else:
+        rnd = sample_round(run, step, 0, draw(run, step), times, carried=run.partial.share(world))
+    pr, g = rnd.partial, run.cfg.group_size
+    kept = KeptGroups(g, [], step)
+    every_done, every_open = [], []
+    for groups, ended, rewards, per_func in world.gather((pr.groups, pr.ended, rnd.scored.rewards,
+                                                         rnd.scored.per_func)):
+        j = 0
+        for grp, e in zip(groups, ended):
+            if e:
+                every_done.append((grp.origin, grp, rewards[j:j + g], per_func[j:j + g]))
+                j += g
+            else:
+                every_open.append(grp)
+    every_done.sort(key=lambda t: t[0])
+    kept.groups = [(grp.samples, grp.metas, r, pf) for _, grp, r, pf in every_done]
+    run.partial.carried = sorted(every_open, key=lambda grp: grp.origin)
+    samples, metas, adv = kept.share(len(kept.groups), run.cfg, world)
+    metrics = {**_sampled_metrics([rnd], world), **run.partial.scalars([grp for _, grp, _, _ in every_done])}
+    return Rollout(samples, metas, adv, rnd.samples, rnd.metas, rnd.scored.rewards, rnd.scored.per_func,
+                   rnd.scored.names, rnd.report, metrics)
 
 
 class KeptGroups:

@@ -119,7 +119,7 @@ def save_checkpoint(run: Run, step: int, data_position: int | None) -> Path | No
     if world.sharded and not policy.fsdp:
         check_replicas({**masters, **opt[0]}, world, "adapters and their optimizer state")
     pending = ahead.gather_pending(run.ahead.pending(), world) if run.cfg.off_policy_steps else None
-    extra = None if pending is None else (lambda d: ahead.write_pending(d, *pending))
+    extra = _extra_writer(pending, run.partial)
     adapter = None
     if getattr(policy, "spec", None) is not None:  # LoRA: the masters are written as a PEFT adapter
         from ..core.lora import adapter_writer
@@ -137,6 +137,21 @@ def save_checkpoint(run: Run, step: int, data_position: int | None) -> Path | No
         log.info("checkpoint: %s", path)
     run.progress.saved = step
     return path
+
+
+def _extra_writer(pending, partial):
+    """What a checkpoint holds besides the policy: the rollouts sampled ahead (--off-policy-steps) and the groups
+    carried to the next step (--partial-rollout-tokens); None when neither."""
+    if pending is None and partial is None:
+        return None
+
+    def write(directory):
+        if pending is not None:
+            ahead.write_pending(directory, *pending)
+        if partial is not None:
+            partial.write(directory)
+
+    return write
 
 
 def stop_early(run: Run, when: str) -> None:

@@ -46,6 +46,7 @@ from ..core.preflight import (LengthCheckedEngine, check_memory, check_prompt_le
 from ..core.spec import PolicySpec
 from . import ahead
 from .filters import load_filters
+from .partial import PARTIAL_JSON, PartialState
 from . import precompile as warmup
 from .evaluation import require_eval_set
 from .prompts import DataCursor, PromptSource, ordered
@@ -104,6 +105,8 @@ class Run:
     ahead: object = None
     """The rollouts sampled and not yet trained on (spirl.loops.ahead.Ahead; with --off-policy-steps, a
     checkpoint's)."""
+    partial: object = None
+    """--partial-rollout-tokens: the groups carried to the next step (spirl.loops.partial.PartialState)."""
     filters: list = field(default_factory=list)
     """--dynamic-sampling's and --filter's group filters (spirl.loops.filters), in order; empty: every group kept."""
     first_scalars: dict = field(default_factory=dict)
@@ -250,6 +253,11 @@ def _task(cfg: TrainConfig, model: ModelDir, world: World, resumed) -> tuple[obj
     require_eval_set(task, cfg)
     check_distributed_task(task, cfg, world)
     filters = load_filters(cfg, tokenizer, bool(getattr(task, "multi_turn", False)))
+    if cfg.partial_rollout_tokens and getattr(task, "multi_turn", False):
+        from ..core.config import ConfigError
+
+        raise ConfigError(f"--partial-rollout-tokens with the multi-turn task {cfg.task}: an episode's turns are "
+                          "not carried across steps; set --partial-rollout-tokens 0")
     return task, source, filters
 
 
@@ -276,6 +284,7 @@ def _start_policy(run: Run, limit: int, why: str, longest: int | None, resumed: 
         run.progress.saved = run.start
         pending = _pending_rollouts(cfg, resumed, run.world)
     run.ahead = ahead.Ahead(cfg.off_policy_steps, pending)
+    run.partial = _carried(cfg, resumed) if cfg.resume else PartialState() if cfg.partial_rollout_tokens else None
     if longest is None:
         run.engine = LengthCheckedEngine(run.engine, cfg, limit, why)
     sync_weights(run.engine, run.policy, run.spec)
@@ -295,6 +304,22 @@ def _pending_rollouts(cfg: TrainConfig, resumed: ckpt.CheckpointInfo, world: Wor
         raise ckpt.CheckpointError(f"--resume {d} holds no {ahead.ROLLOUTS_JSON} (the rollouts sampled ahead); "
                                    "pass a checkpoint written whole by an --off-policy-steps run")
     return ahead.read_pending(d, world, cfg.group_size)
+
+
+def _carried(cfg: TrainConfig, resumed: ckpt.CheckpointInfo) -> PartialState | None:
+    """The groups the --resume checkpoint carried (--partial-rollout-tokens), refused in one line when that run
+    used another budget (what it carried was cut by it)."""
+    d = resumed.path
+    then = resumed.state.get("config", {}).get("partial_rollout_tokens", 0)
+    if then != cfg.partial_rollout_tokens:
+        raise ckpt.CheckpointError(f"--resume {d} was written by a run with --partial-rollout-tokens {then}; resume "
+                                   f"with --partial-rollout-tokens {then} (what it carried was cut by that budget)")
+    if not cfg.partial_rollout_tokens:
+        return None
+    if not (d / PARTIAL_JSON).is_file():
+        raise ckpt.CheckpointError(f"--resume {d} holds no {PARTIAL_JSON} (the groups carried to the next step); "
+                                   "pass a checkpoint written whole by a --partial-rollout-tokens run")
+    return PartialState.read(d)
 
 
 def _start_logging(run: Run) -> None:

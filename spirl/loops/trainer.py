@@ -21,6 +21,8 @@ Per step, in order (1-4: spirl/loops/rollout.py, in rounds with --dynamic-sampli
   8. weight sync to the engine; metrics (the checkpoints: spirl/loops/run.py).
 With --off-policy-steps K (spirl/loops/ahead.py) steps 1-4 of step s + K run during step s: sampling beside
 steps 5-7, its parity check and rewards just before the first optimizer step (the weights that sampled it).
+With --partial-rollout-tokens C (spirl/loops/partial.py) step 2 samples at most C tokens per completion, continuing
+those carried from earlier steps; only the groups whose completions have all ended are scored and trained.
 
 Memory: fp32 masters + AdamW state + fp32 grads, the bf16 compute model (+ its transient bf16
 grads), a bf16 reference only when kl_coef > 0, activations of one micro-batch (per decoder layer
@@ -88,7 +90,7 @@ def step_scalars(run: Run, ro: Rollout) -> dict:
            "reward_std": reward_std(every, run.cfg.advantage_std),
            "parity/tokens_compared": compared, "parity/tokens_different": different,
            "parity/max_abs_diff": world.all_max(ro.report.max_abs_diff),
-           "completion_len_mean": sampled / count, "tokens_trained": trained}
+           "completion_len_mean": sampled / count if count else float("nan"), "tokens_trained": trained}
     if world.sharded:
         for r, (c, d) in enumerate(world.gather((ro.report.tokens_compared, ro.report.tokens_different))):
             out[f"parity/rank{r}/tokens_compared"], out[f"parity/rank{r}/tokens_different"] = float(c), float(d)
@@ -109,6 +111,9 @@ def route_scalars(run: Run, routes) -> dict:
 
 def no_signal(step: int, out: dict) -> str:
     """Why a step whose advantages are all 0 takes no update, in one line."""
+    if out.get("partial/groups_trained") == 0:
+        return (f"step {step}: no group has all its completions ended yet ({out['partial/groups_carried']:.0f} "
+                "carried to the next step, --partial-rollout-tokens): no update this step")
     if out["reward_mean"] != out["reward_mean"]:  # NaN: no sample of any rank was scorable
         return (f"step {step}: nothing could be scored (every reward function returned None for every completion), "
                 "so every advantage is 0: no update this step")
@@ -176,7 +181,8 @@ class Following:
         run.source.begin(step)
         prompts = draw(run, step)
         threaded = bool(getattr(run.engine, "samples_beside_training", False))
-        self.started = ahead.Background(lambda: generate_round(run, step, 0, prompts), threaded, run.device)
+        carried = run.partial.share(run.world) if run.cfg.partial_rollout_tokens else None  # taken now, not later
+        self.started = ahead.Background(lambda: generate_round(run, step, 0, prompts, carried), threaded, run.device)
         self.run, self.step, self.version, self.times = run, step, version, times
         self.ready: ahead.Ready | None = None
 
