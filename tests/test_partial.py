@@ -198,3 +198,11 @@ def test_two_ranks_repeat_and_resume_on_one_process(module_dir):
     assert a[0]["partial/groups_trained"] == 0 and a[1]["partial/groups_carried"] == 2
     c = _torchrun(root, "C", 0, "--resume", str(root / "ck" / "A" / "step_000003"))
     assert c[0]["step"] == 4 and c[0]["partial/groups_trained"] == 2 and c[0]["parity/tokens_different"] == 0
+
+
+def test_multi_turn_task_is_refused_at_setup(tiny_ckpt, tmp_path):
+    from spirl.loops.run import train
+
+    cfg = _cfg(tiny_ckpt, tmp_path, "MT", task="calculator", partial_rollout_tokens=2, steps=1)
+    with pytest.raises(ConfigError, match="multi-turn task calculator: an episode's turns are not carried"):
+        train(cfg)
