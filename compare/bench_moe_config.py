@@ -14,8 +14,9 @@ Per token count T (random bf16 activations, Qwen3-30B-A3B's layer by default, ro
 vLLM's own top-k): median CUDA-event time of the whole experts' op as the engine runs it (token sort, both GEMMs,
 SiLU-and-mul, the top-k sum) for the pinned config, for vLLM's tuned config (its own BLOCK_K: what plain vLLM
 runs, bits not expected equal), and for every candidate; prints the fastest equal candidate and its ratios.
-Runs with VLLM_BATCH_INVARIANT=1 (the trainer's vLLM backend needs it); vLLM's tuned configs are read from the
-JSON file its `get_moe_configs` would read outside that mode (`get_config_file_name`, the `configs/` folder).
+Runs with VLLM_BATCH_INVARIANT=1 (the trainer's vLLM backend needs it); vLLM's tuned configs are the table the
+trainer and the engine pick from (`torchtitan_compat.vllm_ops.tuned_moe_configs`: the file vLLM reads outside that
+mode).
 """
 
 from __future__ import annotations
@@ -70,17 +71,6 @@ def candidates(tuned: list[dict], pinned: dict) -> list[dict]:
                    "num_warps": w, "num_stages": s}
             out.setdefault(key(cfg), cfg)
     return list(out.values())
-
-
-def tuned_configs(fm, experts: int, inter: int) -> dict[int, dict]:
-    """vLLM's tuned configs for this GPU and shape, {token count: config} ({} where it has none): the file
-    `get_moe_configs` reads outside batch-invariant mode (it returns None inside it)."""
-    path = os.path.join(os.path.dirname(os.path.realpath(fm.__file__)), "configs",
-                        fm.get_config_file_name(experts, inter, None))
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return {int(m): cfg for m, cfg in json.load(f).items()}
 
 
 def timed(fn, iters: int) -> float:
@@ -149,12 +139,12 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    from torchtitan_compat.vllm_ops import BATCH_INVARIANT_MOE_CONFIG, VLLMBackend, _moe_module
+    from torchtitan_compat.vllm_ops import BATCH_INVARIANT_MOE_CONFIG, VLLMBackend, tuned_moe_configs
 
     if not torch.cuda.is_available():
         print("bench_moe_config: error: needs a CUDA GPU", file=sys.stderr)
         return 2
-    tuned_map = tuned_configs(_moe_module("fused_moe"), a.experts, a.inter)
+    tuned_map = tuned_moe_configs(a.experts, a.inter)
     print(f"vLLM's tuned configs for E={a.experts}, N={a.inter} on {torch.cuda.get_device_name()}: "
           f"{len(tuned_map)} token counts" + ("" if tuned_map else " (none: its default configs)"), flush=True)
     cands = candidates(list(tuned_map.values()), BATCH_INVARIANT_MOE_CONFIG)

@@ -229,7 +229,10 @@ def test_bad_settings_are_refused_in_one_line(kw, message):
 # -- two gloo ranks -------------------------------------------------------------------------------------------
 
 
-def _torchrun(root: Path, name: str, ranks: int, *extra: str) -> list[dict]:
+def _torchrun(root: Path, name: str, ranks: int, *extra: str, flags=("--off-policy-steps", "1"),
+              steps: int = STEPS) -> list[dict]:
+    """simple_rl.py on the tiny model (2 prompts x 4 x 4 tokens, native engine, a checkpoint every step) with
+    `flags`, on `ranks` gloo ranks under torchrun (0: one plain process); its metrics."""
     from test_distributed import _env
 
     cmd = [sys.executable, str(REPO / "simple_rl.py")]
@@ -237,7 +240,7 @@ def _torchrun(root: Path, name: str, ranks: int, *extra: str) -> list[dict]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", cmd[1]]
     args = ["--engine", "native", "--model", "random:tiny", "--dtype", "float32", "--task", "synthetic",
             "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4", "--lr", "1e-3",
-            "--checkpoint-every", "1", "--steps", str(STEPS), "--off-policy-steps", "1",
+            "--checkpoint-every", "1", "--steps", str(steps), *flags,
             "--out-dir", str(root / name), "--checkpoint-dir", str(root / "ck"), "--run-name", name, *extra]
     proc = subprocess.run(cmd + args, capture_output=True, text=True, env=_env(), timeout=900, cwd=root)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -164,24 +164,9 @@ def test_refusals():
 
 
 def _torchrun(root, name: str, ranks: int, *extra: str) -> list[dict]:
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    from test_offpolicy import _torchrun as tiny_run
 
-    from test_distributed import _env
-
-    script = str(Path(__file__).resolve().parents[1] / "simple_rl.py")
-    cmd = [sys.executable, script]
-    if ranks:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script]
-    args = ["--engine", "native", "--model", "random:tiny", "--dtype", "float32", "--task", "synthetic",
-            "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4", "--lr", "1e-3",
-            "--checkpoint-every", "1", "--steps", str(STEPS), "--partial-rollout-tokens", "2",
-            "--out-dir", str(root / name), "--checkpoint-dir", str(root / "ck"), "--run-name", name, *extra]
-    proc = subprocess.run(cmd + args, capture_output=True, text=True, env=_env(), timeout=900, cwd=root)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return [json.loads(x) for x in (root / name / name / "metrics.jsonl").read_text().splitlines()]
+    return tiny_run(root, name, ranks, *extra, flags=("--partial-rollout-tokens", "2"), steps=STEPS)
 
 
 @pytest.mark.slow

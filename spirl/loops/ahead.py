@@ -188,21 +188,30 @@ def gather_pending(pending: list[Ready], world: World) -> tuple[dict, dict[str, 
     return doc, tensors
 
 
-def write_pending(directory: Path, doc: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """rollouts.json and rollouts.safetensors into a checkpoint directory being written."""
+def write_doc(directory: Path, names: tuple[str, str], doc: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """A JSON document and its tensors (`names`: the two file names) into a checkpoint directory being written."""
     from safetensors.torch import save_file
 
-    (directory / ROLLOUTS_JSON).write_text(json.dumps(doc, sort_keys=True) + "\n")
-    save_file(tensors, str(directory / ROLLOUTS_TENSORS))
+    (directory / names[0]).write_text(json.dumps(doc, sort_keys=True) + "\n")
+    save_file(tensors, str(directory / names[1]))
+
+
+def read_doc(directory: Path, names: tuple[str, str]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """What write_doc wrote."""
+    from safetensors.torch import load_file
+
+    return json.loads((directory / names[0]).read_text()), load_file(str(directory / names[1]))
+
+
+def write_pending(directory: Path, doc: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """rollouts.json and rollouts.safetensors into a checkpoint directory being written."""
+    write_doc(directory, (ROLLOUTS_JSON, ROLLOUTS_TENSORS), doc, tensors)
 
 
 def read_pending(directory: Path, world: World, group_size: int) -> list[Ready]:
     """The rollouts a checkpoint holds, each rank's share cut as spirl.loops.rollout cuts it (contiguous whole
     groups, even_slices over the ranks; a rank without one gets a zero-weight Placeholder): any number of ranks."""
-    from safetensors.torch import load_file
-
-    doc = json.loads((directory / ROLLOUTS_JSON).read_text())
-    tensors = load_file(str(directory / ROLLOUTS_TENSORS))
+    doc, tensors = read_doc(directory, (ROLLOUTS_JSON, ROLLOUTS_TENSORS))
     out, i = [], 0
     for r in doc["rollouts"]:
         seqs = []

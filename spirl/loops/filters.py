@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from ..tasks import load_object
+from ..tasks.dataset import columns_of
 
 
 class FilterError(ValueError):
@@ -88,7 +89,9 @@ def _length_bounds(spec: str, arg: str) -> tuple[int, float]:
 def builtin(spec: str) -> GroupFilter | None:
     """The built-in filter SPEC names, or None when SPEC names none (a function's SPEC)."""
     name, _, arg = spec.partition(":")
-    if name == "reward_spread" and not arg:
+    if name == "reward_spread":
+        if arg:
+            raise FilterError(f"--filter {spec!r}: reward_spread takes no argument")
         return GroupFilter("reward_spread", reward_spread)
     if name == "min_reward":
         x = _number(spec, arg, -math.inf, math.inf)
@@ -100,8 +103,6 @@ def builtin(spec: str) -> GroupFilter | None:
     if name == "length":
         lo, hi = _length_bounds(spec, arg)
         return GroupFilter(f"length_{arg}", lambda g, step: all(lo <= len(s.completion_ids) <= hi for s in g.samples))
-    if name in ("reward_spread",):
-        raise FilterError(f"--filter {spec!r}: reward_spread takes no argument")
     return None
 
 
@@ -114,9 +115,7 @@ def function_filter(spec: str, tokenizer) -> GroupFilter:
         ids = [list(s.completion_ids) for s in group.samples]
         prompts = [m["prompt"] if "prompt" in m else tokenizer.decode(s.prompt_ids)
                    for s, m in zip(group.samples, group.metas)]
-        columns: dict[str, list] = {}
-        for k in (group.metas[0].get("columns") or {}) if group.metas else ():
-            columns[k] = [m["columns"].get(k) for m in group.metas]
+        columns = columns_of(group.metas)
         rewards = [None if math.isnan(float(r)) else float(r) for r in group.rewards]
         try:
             out = fn(prompts=prompts, completions=tokenizer.batch_decode(ids, skip_special_tokens=True),

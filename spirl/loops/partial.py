@@ -19,7 +19,6 @@ nothing is carried and the run is the one without partial rollouts. A step in wh
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,8 +126,6 @@ class PartialState:
 
     def write(self, directory: Path) -> None:
         """partial.json (ids, metas, where each group was drawn) and partial.safetensors (logprobs, routes)."""
-        from safetensors.torch import save_file
-
         tensors: dict[str, torch.Tensor] = {}
         doc, i = {"groups": []}, 0
         for g in self.carried:
@@ -138,15 +135,11 @@ class PartialState:
                 i += 1
             doc["groups"].append({"origin": list(g.origin), "segments": g.segments, "metas": g.metas,
                                   "samples": members})
-        (directory / PARTIAL_JSON).write_text(json.dumps(doc, sort_keys=True) + "\n")
-        save_file(tensors, str(directory / PARTIAL_TENSORS))
+        ahead.write_doc(directory, (PARTIAL_JSON, PARTIAL_TENSORS), doc, tensors)
 
     @classmethod
     def read(cls, directory: Path) -> "PartialState":
-        from safetensors.torch import load_file
-
-        doc = json.loads((directory / PARTIAL_JSON).read_text())
-        tensors = load_file(str(directory / PARTIAL_TENSORS))
+        doc, tensors = ahead.read_doc(directory, (PARTIAL_JSON, PARTIAL_TENSORS))
         carried, i = [], 0
         for g in doc["groups"]:
             samples = []

@@ -293,33 +293,34 @@ def _start_policy(run: Run, limit: int, why: str, longest: int | None, resumed: 
 def _pending_rollouts(cfg: TrainConfig, resumed: ckpt.CheckpointInfo, world: World) -> list:
     """The rollouts the --resume checkpoint sampled ahead (--off-policy-steps), refused in one line when that run
     used another K (its rollouts follow that schedule)."""
-    d = resumed.path
-    then = resumed.state.get("config", {}).get("off_policy_steps", 0)
-    if then != cfg.off_policy_steps:
-        raise ckpt.CheckpointError(f"--resume {d} was written by a run with --off-policy-steps {then}; resume with "
-                                   f"--off-policy-steps {then} (the rollouts it sampled ahead follow that schedule)")
-    if not cfg.off_policy_steps:
-        return []
-    if not (d / ahead.ROLLOUTS_JSON).is_file():
-        raise ckpt.CheckpointError(f"--resume {d} holds no {ahead.ROLLOUTS_JSON} (the rollouts sampled ahead); "
-                                   "pass a checkpoint written whole by an --off-policy-steps run")
-    return ahead.read_pending(d, world, cfg.group_size)
+    d = _resumed_files(cfg, resumed, "off_policy_steps", "the rollouts it sampled ahead follow that schedule",
+                       ahead.ROLLOUTS_JSON, "the rollouts sampled ahead", "an --off-policy-steps run")
+    return [] if d is None else ahead.read_pending(d, world, cfg.group_size)
 
 
 def _carried(cfg: TrainConfig, resumed: ckpt.CheckpointInfo) -> PartialState | None:
     """The groups the --resume checkpoint carried (--partial-rollout-tokens), refused in one line when that run
     used another budget (what it carried was cut by it)."""
-    d = resumed.path
-    then = resumed.state.get("config", {}).get("partial_rollout_tokens", 0)
-    if then != cfg.partial_rollout_tokens:
-        raise ckpt.CheckpointError(f"--resume {d} was written by a run with --partial-rollout-tokens {then}; resume "
-                                   f"with --partial-rollout-tokens {then} (what it carried was cut by that budget)")
-    if not cfg.partial_rollout_tokens:
+    d = _resumed_files(cfg, resumed, "partial_rollout_tokens", "what it carried was cut by that budget", PARTIAL_JSON,
+                       "the groups carried to the next step", "a --partial-rollout-tokens run")
+    return None if d is None else PartialState.read(d)
+
+
+def _resumed_files(cfg: TrainConfig, resumed: ckpt.CheckpointInfo, field: str, why: str, name: str, what: str,
+                   run: str) -> Path | None:
+    """The --resume checkpoint's directory, to read the file `name` (`what`) a run with the setting `field` wrote
+    into it; None when this run's `field` is 0. Refused in one line when the checkpoint's run had another `field`
+    (`why` it must be the same) or the file is missing (a checkpoint of `run` holds it)."""
+    d, flag = resumed.path, "--" + field.replace("_", "-")
+    then = resumed.state.get("config", {}).get(field, 0)
+    if then != getattr(cfg, field):
+        raise ckpt.CheckpointError(f"--resume {d} was written by a run with {flag} {then}; resume with {flag} {then} "
+                                   f"({why})")
+    if not then:
         return None
-    if not (d / PARTIAL_JSON).is_file():
-        raise ckpt.CheckpointError(f"--resume {d} holds no {PARTIAL_JSON} (the groups carried to the next step); "
-                                   "pass a checkpoint written whole by a --partial-rollout-tokens run")
-    return PartialState.read(d)
+    if not (d / name).is_file():
+        raise ckpt.CheckpointError(f"--resume {d} holds no {name} ({what}); pass a checkpoint written whole by {run}")
+    return d
 
 
 def _start_logging(run: Run) -> None:

@@ -205,8 +205,7 @@ class DatasetTask:
         prompts = [m["prompt"] for m in metas]
         texts = self.tokenizer.batch_decode([list(c) for c in completion_ids], skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if _conversational(p) else t for p, t in zip(prompts, texts)]
-        keys = list(metas[0]["columns"]) if metas else []
-        columns = {k: [m["columns"].get(k) for m in metas] for k in keys}
+        columns = columns_of(metas)
         state = trainer_state(step, cfg)
         rows = ", ".join(sorted({f"{m['source']} row {m['row']}" for m in metas}))
         where = lambda i: (f"the {len(metas)} samples of step {step} ({rows})" if i is None  # noqa: E731
@@ -223,6 +222,13 @@ class DatasetTask:
         if self._eval is None:
             self._eval = [self._encode(self.eval_rows, i, self.eval_source) for i in range(self.eval_rows.num_rows)]
         return self._eval
+
+
+def columns_of(metas: list[Meta]) -> dict[str, list]:
+    """The dataset columns besides the prompt, as TRL passes them to reward functions: {column: one value per
+    sample}, the first sample's columns naming them; {} for samples of a task that is not a dataset."""
+    keys = list(metas[0].get("columns") or {}) if metas else []
+    return {k: [m["columns"].get(k) for m in metas] for k in keys}
 
 
 def parse_template_kwargs(text: str) -> dict:
