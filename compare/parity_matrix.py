@@ -9,6 +9,8 @@ Cases (one vLLM engine, one trainer model, in one process):
   odd39   13 prompts of 1..2500 tokens, n=3 (39 sequences: not a CUDA-graph capture size,
           so decode steps run padded graphs), 96 new tokens, T=1.3
   minp    16 prompts of 1..1500 tokens, n=2, 64 new tokens, T=0.9 with min_p=0.05
+  long4k   4 prompts of 1..4000 tokens, n=2, 64 new tokens, T=1.0 (the longest prompts --max-model-len
+           4096 holds)
   alone    the first 3 prompts of batch8 again, one per call (same seeds): same completions
            and logprobs as inside the batch (vLLM's own batch invariance)
 Qwen3-MoE: every case also compares each token's experts in every sparse layer with the engine's
@@ -58,6 +60,7 @@ def cases(quick: bool):
         ("batch64_T0.7", spread(64, 2000, 3), 2, 64 // scale, 0.7),
         ("odd39_T1.3", spread(13, 2500, 4), 3, 96 // scale, 1.3),
         ("minp_T0.9", spread(16, 1500, 5), 2, 64 // scale, 0.9, 0.05),
+        ("long4k", spread(4, 4000, 6), 2, 64 // scale, 1.0),
     ]
 
 
@@ -119,6 +122,11 @@ def main(argv=None) -> int:
                    help="the engine's CUDA-graph mode (none = eager)")
     p.add_argument("--logprobs", choices=("sampling", "raw"), default=HarnessConfig.logprobs,
                    help="compare the sampling distribution's logprobs (default) or the raw logits'")
+    p.add_argument("--gpu-memory-utilization", type=float, default=HarnessConfig.gpu_memory_utilization,
+                   help="the engine's share of the GPU (the trainer's copy of the weights comes on top: 0.47 for "
+                        "Qwen3-30B-A3B's 57 GiB)")
+    p.add_argument("--max-packed-tokens", type=int, default=HarnessConfig.max_packed_tokens,
+                   help="tokens per trainer forward (its float32 logits are 0.6 MB a token at Qwen3's vocabulary)")
     p.add_argument("--allow-batch-variant", action="store_true",
                    help="run without VLLM_BATCH_INVARIANT=1 (to show the check then fails)")
     args = p.parse_args(argv)
@@ -137,7 +145,9 @@ def main(argv=None) -> int:
     require_cuda("the parity matrix (vLLM and the trainer's vllm kernels)")
     harness = ParityHarness(HarnessConfig(model_dir, args.backend, args.swap_op,
                                           allow_batch_variant=args.allow_batch_variant,
-                                          cuda_graphs=args.cuda_graphs, logprobs=args.logprobs))
+                                          cuda_graphs=args.cuda_graphs, logprobs=args.logprobs,
+                                          gpu_memory_utilization=args.gpu_memory_utilization,
+                                          max_packed_tokens=args.max_packed_tokens))
     try:
         results = run(harness, args.quick)
     finally:
