@@ -370,16 +370,19 @@ def random_tensor_maker(seed: int, device: str = "cpu") -> Callable[[str, tuple]
 
 
 def write_random_checkpoint(out_dir: str | Path, shape: str, num_layers: int | None = None, seed: int = 0,
-                            dtype: torch.dtype = torch.bfloat16, overwrite: bool = False, device: str = "cpu") -> Path:
+                            dtype: torch.dtype = torch.bfloat16, overwrite: bool = False, device: str = "cpu",
+                            config: dict | None = None) -> Path:
     """Write a complete HF-format Qwen3 checkpoint with random weights (config, generation config,
     model.safetensors, tokenizer). Same arguments -> identical tensor bytes. Written to a temporary
-    directory next to `out_dir` and renamed into place, so `out_dir` is never half-written."""
+    directory next to `out_dir` and renamed into place, so `out_dir` is never half-written. `config`:
+    config.json fields set over the shape's (e.g. {"mlp_only_layers": []}), checked as any config is."""
     from torchtitan_compat.tokenizer import save_qwen3_tokenizer
 
     if dtype not in _CONFIG_DTYPE_NAMES:
         raise WeightsError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, _CONFIG_DTYPE_NAMES))}")
     try:
-        cfg = hf_config_for_shape(shape, num_layers)
+        cfg = {**hf_config_for_shape(shape, num_layers), **(config or {})}
+        shapes = expected_hf_shapes(model_args_from_hf_config(cfg))
     except ConfigError as e:
         raise WeightsError(str(e)) from None
     cfg["torch_dtype"] = _CONFIG_DTYPE_NAMES[dtype]
@@ -388,7 +391,6 @@ def write_random_checkpoint(out_dir: str | Path, shape: str, num_layers: int | N
         raise WeightsError(f"{out} exists and is not a directory; choose another output path")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise WeightsError(f"{out} already exists and is not empty; remove it, choose another path, or pass --force")
-    shapes = expected_hf_shapes(model_args_from_hf_config(cfg))
     n_params = sum(math.prod(s) for s in shapes.values())
     logger.info("writing random %s checkpoint (%d layers, %.2fB params, %s, seed %d) to %s",
                 shape, cfg["num_hidden_layers"], n_params / 1e9, cfg["torch_dtype"], seed, out)
@@ -443,7 +445,7 @@ def merge_lora(adapter_dir: str | Path, model_dir: str | Path, out: str | Path, 
     with: on the GPU the bits are those the rollout engine served). An adapted lm_head of a model
     with tied embeddings is written as an untied lm_head (tie_word_embeddings false): the adapter
     changed the output projection, not the input embedding."""
-    from torchtitan_compat.lora import merged
+    from torchtitan_compat.lora import GROUPS, expert_targets, merged
     from torchtitan_compat.peft_adapter import hf_module, param_name, read_adapter
 
     out = Path(out)
@@ -455,19 +457,43 @@ def merge_lora(adapter_dir: str | Path, model_dir: str | Path, out: str | Path, 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     untie = "lm_head" in spec.targets and args.enable_weight_tying
+    experts = expert_targets(spec, args)
     out_sd = dict(hf_sd)
     for target in spec.targets:
+        if experts and target in GROUPS["mlp"]:
+            continue  # the experts' stacked parameters, below
         for layer in [None] if target == "lm_head" else range(args.n_layers):
             name = hf_module(target, layer) + ".weight"
             w = hf_sd["model.embed_tokens.weight"] if untie and target == "lm_head" else hf_sd[name]
             a, b = (params[param_name(target, layer, x)].to(dev) for x in "AB")
             out_sd[name] = merged(w, a, b, spec.scale, w.dtype, dev).cpu()
+    if experts:
+        out_sd.update(_merged_experts(out_sd, params, spec, args, experts, dev))
     if untie:
         cfg = {**cfg, "tie_word_embeddings": False}
         out_sd = {**out_sd, "lm_head.weight": out_sd.pop("lm_head.weight")}  # the head after everything else
     logger.info("merged %s (rank %d, alpha %g, %s) into %s on %s", adapter_dir, spec.rank, spec.alpha,
                 ",".join(spec.targets), model_dir, dev)
     return save_hf_checkpoint(out_sd, model_dir, out, dtype=None, config=cfg)
+
+
+def _merged_experts(hf_sd: dict, params: dict, spec, args, experts: tuple[str, ...], dev) -> dict:
+    """The per-expert HF tensors of every sparse layer with the adapters of the `experts` parameters merged in
+    (torchtitan_compat.lora_experts.merged_experts on the stacked [E, out, in] tensors)."""
+    import weights_vllm_compat as wvc
+    from torchtitan_compat.config import sparse_layers
+    from torchtitan_compat.lora_experts import merged_experts
+    from torchtitan_compat.peft_adapter import expert_param_name
+
+    out = {}
+    for i in sparse_layers(args):
+        stacked = wvc.hf_experts_to_compat(hf_sd, args, layers=[i])
+        for t in experts:
+            key = f"layers.{i}.moe.experts.{t}"
+            a, b = (params[expert_param_name(t, i, x)].to(dev) for x in "AB")
+            stacked[key] = merged_experts(stacked[key], a, b, spec.scale, stacked[key].dtype, dev).cpu()
+        out.update(wvc.compat_experts_to_hf(stacked, args))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -143,14 +143,14 @@ def _split_off_experts(sd: dict, names, consume: bool = False) -> tuple[dict, di
     return moe, {k: v for k, v in sd.items() if k not in names}
 
 
-def hf_experts_to_compat(hf_sd: dict, model_args, consume: bool = False) -> dict:
-    """The sparse layers' HF router and per-expert tensors (all of them) in the merged layout: each layer's
-    experts copied once into [E, 2I, D] and [E, D, I] tensors of the HF tensors' dtype. `consume`: each HF tensor
-    is taken out of hf_sd once copied, so that the host holds about one copy of the experts at a time (Qwen3-30B-A3B:
-    57 GiB of bf16 experts)."""
+def hf_experts_to_compat(hf_sd: dict, model_args, consume: bool = False, layers=None) -> dict:
+    """The sparse layers' HF router and per-expert tensors (all of them, or those of `layers`) in the merged
+    layout: each layer's experts copied once into [E, 2I, D] and [E, D, I] tensors of the HF tensors' dtype.
+    `consume`: each HF tensor is taken out of hf_sd once copied, so that the host holds about one copy of the
+    experts at a time (Qwen3-30B-A3B: 57 GiB of bf16 experts)."""
     a, out = model_args, {}
     take = hf_sd.pop if consume else hf_sd.__getitem__
-    for i in sparse_layers(a):
+    for i in sparse_layers(a) if layers is None else layers:
         p, e_count, inter = f"model.layers.{i}.mlp.", a.moe_args.num_experts, a.moe_inter_dim
         first = hf_sd[p + "experts.0.gate_proj.weight"]
         gate_up = torch.empty((e_count, 2 * inter, a.dim), dtype=first.dtype)

@@ -249,7 +249,7 @@ def test_compare_routes_counts_flips_and_order():
     assert (same.different, same.flips) == (0, 0)
 
 
-def test_lora_on_experts_is_refused():
+def test_lora_on_the_experts_of_a_moe_with_dense_layers_is_refused():
     from torchtitan_compat.lora import LoRAError, LoRASpec, check_spec
 
     args = model_args_from_hf_config(hf_config_for_shape("tiny-moe"))

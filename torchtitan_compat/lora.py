@@ -26,7 +26,9 @@ from torch import nn
 
 import batch_invariant_backward as bib
 
-from .config import is_moe
+from .config import is_moe, sparse_layers
+from .lora_experts import PARAMS as EXPERT_PARAMS
+from .lora_experts import LoRAExperts
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 """Every module LoRA can adapt, in model order."""
@@ -98,17 +100,49 @@ def fused_modules(args) -> dict[str, list[tuple[str, int, int]]]:
     }
 
 
+def expert_targets(spec: LoRASpec, args) -> tuple[str, ...]:
+    """The experts' parameters (lora_experts.PARAMS) `spec` adapts on a Qwen3-MoE: gate_up_proj for gate_proj and
+    up_proj (one parameter in PEFT's format, one adapter), down_proj for down_proj; () on a dense model."""
+    if not is_moe(args):
+        return ()
+    named = {"gate_up_proj": "gate_proj" in spec.targets, "down_proj": "down_proj" in spec.targets}
+    return tuple(t for t in EXPERT_PARAMS if named[t])
+
+
+def expert_shapes(args) -> dict[str, tuple[int, int]]:
+    """(out, in) of one expert of each adaptable expert parameter of Qwen3-MoE args."""
+    d, inter = args.dim, args.moe_inter_dim
+    return {"gate_up_proj": (2 * inter, d), "down_proj": (d, inter)}
+
+
+def _check_moe_mlp(spec: LoRASpec, args) -> None:
+    """On a Qwen3-MoE the MLP targets adapt the experts as PEFT does (`target_parameters`), which needs gate and up
+    together and every layer sparse."""
+    mlp = [t for t in spec.targets if t in GROUPS["mlp"]]
+    if not mlp or not is_moe(args):
+        return
+    dense = [i for i in range(args.n_layers) if i not in sparse_layers(args)]
+    if dense:
+        raise LoRAError(f"LoRA on the MLP of a Qwen3-MoE with dense layers ({', '.join(map(str, dense))}: "
+                        "mlp_only_layers / decoder_sparse_step) is not supported: PEFT maps gate_proj/up_proj to the "
+                        "experts on such models; adapt attention and lm_head only (--lora-targets attn,lm_head; "
+                        "Tinker API: train_mlp=False)")
+    if ("gate_proj" in mlp) != ("up_proj" in mlp):
+        raise LoRAError(f"LoRA on a Qwen3-MoE's experts adapts gate and up as one parameter (gate_up_proj, PEFT's "
+                        f"format), but only {' and '.join(mlp)} was named: name both gate_proj and up_proj (or mlp)")
+
+
 def check_spec(spec: LoRASpec, args) -> None:
-    """Refuse, in one line, a rank the adapted layers cannot have."""
+    """Refuse, in one line, a rank the adapted layers cannot have, or MLP targets a Qwen3-MoE cannot take."""
     if spec.rank < 1:
         raise LoRAError(f"LoRA rank must be >= 1, got {spec.rank}")
     if not spec.targets:
         raise LoRAError("LoRA needs at least one target module")
-    mlp = [t for t in spec.targets if t in GROUPS["mlp"]]
-    if mlp and is_moe(args):
-        raise LoRAError(f"LoRA on a Qwen3-MoE's MLP ({', '.join(mlp)}: its experts) is not supported; adapt "
-                        "attention and lm_head only: --lora-targets attn,lm_head (Tinker API: train_mlp=False)")
+    _check_moe_mlp(spec, args)
     shapes = target_shapes(args)
+    if is_moe(args):
+        shapes = {**shapes, "gate_proj": expert_shapes(args)["gate_up_proj"],
+                  "up_proj": expert_shapes(args)["gate_up_proj"], "down_proj": expert_shapes(args)["down_proj"]}
     smallest = min(spec.targets, key=lambda t: min(shapes[t]))
     if spec.rank > min(shapes[smallest]):
         out, inp = shapes[smallest]
@@ -119,7 +153,10 @@ def check_spec(spec: LoRASpec, args) -> None:
 def lora_param_count(spec: LoRASpec, args) -> int:
     """Trainable parameters of `spec` on a model of `args`."""
     shapes = target_shapes(args)
-    per_layer = sum(spec.rank * sum(shapes[t]) for t in spec.targets if t != "lm_head")
+    experts = expert_targets(spec, args)
+    dense = [t for t in spec.targets if t != "lm_head" and not (experts and t in GROUPS["mlp"])]
+    per_layer = sum(spec.rank * sum(shapes[t]) for t in dense)
+    per_layer += sum(spec.rank * args.moe_args.num_experts * sum(expert_shapes(args)[t]) for t in experts)
     head = spec.rank * sum(shapes["lm_head"]) if "lm_head" in spec.targets else 0
     return args.n_layers * per_layer + head
 
@@ -187,10 +224,12 @@ class LoRALinear(nn.Module):
 
 
 def apply_lora(model: nn.Module, spec: LoRASpec, base: dict[str, torch.Tensor], seed: int,
-               head_weight: torch.Tensor | None = None) -> list[LoRALinear]:
+               head_weight: torch.Tensor | None = None) -> list[LoRALinear | LoRAExperts]:
     """Replace every targeted linear module of a Qwen3VLLMCompatModel by a LoRALinear adopting
-    the module's weight as W'; returns them in model order (layer by layer, then lm_head). `base`:
-    compat name -> frozen W of each such module (full fused matrices; `output.weight` for lm_head).
+    the module's weight as W', and on a Qwen3-MoE with MLP targets each sparse layer's experts by a
+    LoRAExperts (torchtitan_compat/lora_experts.py); returns them in model order (layer by layer, then
+    lm_head). `base`: compat name -> frozen W of each such module (full fused matrices; `output.weight`
+    for lm_head; `layers.{i}.moe.experts.gate_up_proj` / `.down_proj` for the experts).
     The adapters' initial A are drawn in that order from one CPU generator seeded with `seed`, so
     the same seed gives the same A on any device.
     Tied embeddings with lm_head targeted: `head_weight` is the tensor to hold the head's W'
@@ -199,11 +238,12 @@ def apply_lora(model: nn.Module, spec: LoRASpec, base: dict[str, torch.Tensor], 
     gen = torch.Generator(device="cpu").manual_seed(seed)
     device = model.tok_embeddings.weight.device
     modules = fused_modules(model.args)
-    out: list[LoRALinear] = []
+    experts = expert_targets(spec, model.args)
+    out: list[LoRALinear | LoRAExperts] = []
     for i, layer in enumerate(model.layers):
         for path, blocks in modules.items():
             blocks = [blk for blk in blocks if blk[0] in spec.targets]
-            if path == "output" or not blocks:
+            if path == "output" or not blocks or not hasattr(layer, path.split(".")[0]):
                 continue
             parent, name = path.split(".")
             owner = getattr(layer, parent)
@@ -211,6 +251,10 @@ def apply_lora(model: nn.Module, spec: LoRASpec, base: dict[str, torch.Tensor], 
                              device)
             setattr(owner, name, lin)
             out.append(lin)
+        if experts and hasattr(layer, "moe"):
+            layer.moe.experts = _lora_experts(layer.moe.experts, base, f"layers.{i}.moe.experts", experts, spec, gen,
+                                              device)
+            out.append(layer.moe.experts)
     if "lm_head" in spec.targets:
         if model.output is None and head_weight is None:
             raise LoRAError("tied embeddings: an adapted lm_head needs its own weight tensor (head_weight)")
@@ -220,6 +264,14 @@ def apply_lora(model: nn.Module, spec: LoRASpec, base: dict[str, torch.Tensor], 
     return out
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    """Module path -> LoRALinear of a model `apply_lora` was applied to, in model order."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+def _lora_experts(experts: nn.Module, base: dict[str, torch.Tensor], prefix: str, targets: tuple[str, ...],
+                  spec: LoRASpec, gen: torch.Generator, device) -> LoRAExperts:
+    """LoRAExperts adopting a sparse layer's expert tensors as W' (`base`: compat name -> frozen W)."""
+    weights = {t: getattr(experts, t).data for t in EXPERT_PARAMS}
+    frozen = {t: base[f"{prefix}.{t}"] for t in targets}
+    return LoRAExperts(weights, frozen, targets, spec.rank, spec.scale, gen, device)
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAExperts]:
+    """Module path -> LoRALinear / LoRAExperts of a model `apply_lora` was applied to, in model order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExperts))}

@@ -148,19 +148,22 @@ class ExpertsFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, w13, w2, w, ids, c1 = ctx.saved_tensors
         grouped = grouped_backward_runs(x, w13, w2)
-        return (*experts_backward(dy, x, w13, w2, w, ids, c1, ctx.backend, grouped), None, None)
+        weight_grads = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        return (*experts_backward(dy, x, w13, w2, w, ids, c1, ctx.backend, grouped, weight_grads), None, None)
 
 
-def experts_backward(dy, x, w13, w2, w, ids, c1, backend, grouped: bool):
+def experts_backward(dy, x, w13, w2, w, ids, c1, backend, grouped: bool, weight_grads: bool = True):
     """(dx, dW13, dW2, dw) of ExpertsFunction (its docstring's math) at dy = dL/dy; `grouped`: the GEMM pairs as
-    torch._grouped_mm calls (`_grouped_gemms`), else the per-expert loop (`_loop_gemms`)."""
+    torch._grouped_mm calls (`_grouped_gemms`), else the per-expert loop (`_loop_gemms`). Without `weight_grads`
+    (frozen experts: LoRA on attention only) the weight products are skipped and dW13 = dW2 = None."""
     t, k = ids.shape
     cdt = compute_dtype(x.dtype)
     perm, counts = _expert_order(ids, w13.shape[0])
     if grouped:
-        gemms = partial(_grouped_gemms, counts.cumsum(0).to(torch.int32), (counts == 0).nonzero()[:, 0])
+        gemms = partial(_grouped_gemms, counts.cumsum(0).to(torch.int32), (counts == 0).nonzero()[:, 0],
+                        weight_grads)
     else:
-        gemms = partial(_loop_gemms, _segments(counts))
+        gemms = partial(_loop_gemms, _segments(counts), weight_grads)
     tok = perm // k
     c1s = c1[perm]
     a = backend.silu_and_mul(c1s)
@@ -181,23 +184,27 @@ def experts_backward(dy, x, w13, w2, w, ids, c1, backend, grouped: bool):
     return dx.to(x.dtype), dw13, dw2, dw.view(t, k).to(w.dtype)
 
 
-def _loop_gemms(segments, rows, weight, left, right, cdt):
+def _loop_gemms(segments, weight_grads, rows, weight, left, right, cdt):
     """out[r] = rows[r] weight[e] in the compute dtype and dW[e] = left[r]^T right[r] in the weight's dtype, for
-    every (expert e, its rows r) of `segments`; dW[e] = 0 for the experts not in it. Two `_mm` calls per expert."""
+    every (expert e, its rows r) of `segments`; dW[e] = 0 for the experts not in it (dW = None without
+    `weight_grads`). Two `_mm` calls per expert."""
     out = torch.empty((rows.shape[0], weight.shape[-1]), dtype=cdt, device=rows.device)
-    dweight = torch.zeros_like(weight)
+    dweight = torch.zeros_like(weight) if weight_grads else None
     for e, r in segments:
         out[r] = _mm(rows[r], weight[e], cdt)
-        dweight[e] = _mm(left[r].t(), right[r], weight.dtype)
+        if weight_grads:
+            dweight[e] = _mm(left[r].t(), right[r], weight.dtype)
     return out, dweight
 
 
-def _grouped_gemms(offs, idle, rows, weight, left, right, cdt):
+def _grouped_gemms(offs, idle, weight_grads, rows, weight, left, right, cdt):
     """`_loop_gemms`' two products, each one torch._grouped_mm call over all experts (offs: each expert's end row,
     int32; idle: the experts without rows, whose dW is set to 0 - a group with an empty contraction is not written
     by every GPU's kernel, pytorch/pytorch#172439). The row product comes back rounded to the operands' dtype
     (torch's constraint), then in the compute dtype."""
     out = torch._grouped_mm(rows.contiguous(), weight, offs=offs).to(cdt)
+    if not weight_grads:
+        return out, None
     dweight = torch._grouped_mm(left.contiguous().t(), right.contiguous(), offs=offs)
     return out, dweight.index_fill_(0, idle, 0)
 
@@ -227,6 +234,10 @@ class Experts(nn.Module):
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W13, W2) the sparse block computes with (LoRAExperts: the merged ones, differentiable in the adapters)."""
+        return self.gate_up_proj, self.down_proj
+
 
 class MoE(nn.Module):
     """Qwen3-MoE's sparse block: router -> top-k -> experts -> weighted combine (no shared expert)."""
@@ -245,7 +256,7 @@ class MoE(nn.Module):
             p.routes[self.layer_id] = ids
         if p.router_logits is not None:
             p.router_logits[self.layer_id] = z
-        return experts(x, self.experts.gate_up_proj, self.experts.down_proj, w, ids, p.backend)
+        return experts(x, *self.experts.weights(), w, ids, p.backend)
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], ids: list[torch.Tensor], num_experts: int) -> torch.Tensor:

@@ -168,11 +168,16 @@ def _weights_file(d: Path) -> str:
     return ADAPTER_WEIGHTS if (d / ADAPTER_CONFIG).is_file() else "model.safetensors"
 
 
-def _adapter_names(tensors: dict) -> dict:
-    """A LoRA checkpoint's tensors under the model's parameter names (PEFT names in the file)."""
-    from torchtitan_compat.peft_adapter import param_of_peft_key
+def _adapter_names(tensors: dict, d: Path) -> dict:
+    """A LoRA checkpoint's tensors under the model's parameter names (PEFT names in the file; the experts' keys
+    are read with the adapter config's target_parameters)."""
+    from torchtitan_compat.peft_adapter import adapted_experts, param_of_peft_key
 
-    return {param_of_peft_key(k) or k: v for k, v in tensors.items()}
+    try:
+        experts = adapted_experts(json.loads((d / ADAPTER_CONFIG).read_text()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise _unusable(d, f"{ADAPTER_CONFIG} is not a valid adapter config ({e})") from None
+    return {param_of_peft_key(k, experts) or k: v for k, v in tensors.items()}
 
 
 @dataclass
@@ -220,7 +225,7 @@ def inspect(path: str | Path) -> CheckpointInfo:
     lora = weights_file == ADAPTER_WEIGHTS
     shapes = _header_shapes(d, weights_file)
     if lora:
-        shapes = _adapter_names(shapes)
+        shapes = _adapter_names(shapes, d)
     optimizer_shapes = _header_shapes(d, "optimizer.safetensors")
     _header_shapes(d, "rng.safetensors")
     return CheckpointInfo(d, state, shapes, optimizer_shapes, lora)
@@ -252,7 +257,7 @@ def load(path: str | Path, device, rows=None) -> tuple[dict, dict[str, torch.Ten
     try:
         state = json.loads((d / "state.json").read_text())
         if info.lora:
-            masters = _adapter_names(_read(d / ADAPTER_WEIGHTS, device, None))
+            masters = _adapter_names(_read(d / ADAPTER_WEIGHTS, device, None), d)
         else:
             masters = _read(d / "model.safetensors", device, rows)
         flat = _read(d / "optimizer.safetensors", device, rows)

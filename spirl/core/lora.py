@@ -132,11 +132,16 @@ class LoRAPolicy(Policy):
 
 
 def _adapted_keys(spec: LoRASpec, args) -> list[str]:
-    """Compat names of the weights that get adapters (whose frozen base must be kept)."""
-    from torchtitan_compat.lora import fused_modules
+    """Compat names of the weights that get adapters (whose frozen base must be kept); a Qwen3-MoE's experts
+    (`layers.{i}.moe.experts.gate_up_proj`, ...) when the MLP is targeted."""
+    from torchtitan_compat.config import sparse_layers
+    from torchtitan_compat.lora import expert_targets, fused_modules
 
-    paths = [p for p, blocks in fused_modules(args).items() if any(t in spec.targets for t, _, _ in blocks)]
+    experts = expert_targets(spec, args)
+    paths = [p for p, blocks in fused_modules(args).items() if any(t in spec.targets for t, _, _ in blocks)
+             and not (experts and p.startswith("feed_forward."))]
     keys = [f"layers.{i}.{p}.weight" for i in range(args.n_layers) for p in paths if p != "output"]
+    keys += [f"layers.{i}.moe.experts.{t}" for i in sparse_layers(args) for t in experts]
     return keys + (["output.weight"] if "output" in paths else [])
 
 

@@ -30,7 +30,10 @@ the base: adapters 4 n + their grads 4 n + AdamW 8 n (+ 8 n of initial adapters 
 the trainer computes with the engine's weights (inside vLLM's share; the native engine: its own
 c P); the frozen base of the adapted projections on the GPU only with --lora-base gpu (c x their
 parameters; host memory otherwise); a merge's temporaries (two float32 copies of the largest
-adapted block and its base). vLLM's share must hold the weights plus the KV cache of one sequence of
+adapted block and its base). LoRA on a Qwen3-MoE's experts: the base counts every expert of the
+adapted parameters, the largest block is one layer's stacked [E, out, in] parameter, and one sparse
+layer's backward holds its experts' weight gradients (c x both parameters) and a float32 copy of the
+larger one (torchtitan_compat/lora_experts.py maps them to the adapters). vLLM's share must hold the weights plus the KV cache of one sequence of
 max_model_len tokens (`min_kv_bytes`); a GPU on which no share leaves the trainer enough is refused
 in one line (tensor-parallel engines are not supported yet: every GPU holds the whole bf16 model).
 Sharded over W ranks (torchrun, FSDP2; per GPU): masters, AdamW state, fp32 gradients and the
@@ -128,12 +131,18 @@ def tokens_per_microbatch(cfg, max_seq_len: int) -> int:
 
 def _lora_parts(args, cfg, lora, c: int) -> dict[str, int]:
     """The LoRA run's weights and optimizer items (module docstring)."""
-    from torchtitan_compat.lora import fused_modules, lora_param_count, target_shapes
+    from torchtitan_compat.config import sparse_layers
+    from torchtitan_compat.lora import expert_shapes, expert_targets, fused_modules, lora_param_count, target_shapes
 
     n = lora_param_count(lora, args)
     shapes = target_shapes(args)
-    adapted, biggest = 0, 0
+    experts = expert_targets(lora, args)
+    sizes = {t: args.moe_args.num_experts * o * i for t, (o, i) in expert_shapes(args).items()} if experts else {}
+    adapted = sum(sizes[t] for t in experts) * len(sparse_layers(args))
+    biggest = max([0] + [sizes[t] for t in experts])
     for path, blocks in fused_modules(args).items():
+        if experts and path.startswith("feed_forward."):
+            continue  # every layer is sparse (lora.check_spec): the experts above
         if any(t in lora.targets for t, _, _ in blocks):  # the base keeps the whole fused matrix
             in_features = shapes[blocks[0][0]][1]
             adapted += sum(rows for _, _, rows in blocks) * in_features * (1 if path == "output" else args.n_layers)
@@ -146,6 +155,7 @@ def _lora_parts(args, cfg, lora, c: int) -> dict[str, int]:
         "fp32 grads": 4 * n,
         "frozen base": c * adapted if cfg.lora_base == "gpu" else 0,
         "LoRA merge": (2 * 4 + c) * biggest,
+        "LoRA expert grads": c * sum(sizes.values()) + 4 * biggest if experts else 0,
     }
 
 
