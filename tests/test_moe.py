@@ -411,7 +411,8 @@ def test_peft_reads_our_attention_adapter_on_a_moe(tmp_path):
 
 def test_tinker_api_trains_a_moe(tmp_path, monkeypatch):
     """The Tinker SDK's types on a tiny MoE (native engine): LoRA with train_mlp=False samples, runs
-    forward_backward with 0 logprobs different and steps; the default (experts adapted too) is refused."""
+    forward_backward with 0 logprobs different and steps; the default (experts adapted too) is refused on this model,
+    whose layer 0 is dense (PEFT cannot express LoRA on its MLP: tests/test_moe_lora.py)."""
     from tinker import types
 
     from torchtitan_compat.lora import LoRAError

@@ -239,3 +239,38 @@ def test_grpo_trains_the_experts_adapters_with_parity(expert_lora_runs):
     assert strip(resumed[0]) == strip(full[1])
     for name in ("adapter_model.safetensors", "optimizer.safetensors", "adapter_config.json"):
         assert (step2 / name).read_bytes() == (tmp / "ckpt" / "resumed" / "step_000002" / name).read_bytes()
+
+
+def test_tinker_api_trains_the_experts(tmp_path, monkeypatch):
+    """The Tinker SDK's types on a tiny MoE whose layers are all sparse (native engine): the default LoRA
+    (train_mlp=True: the experts adapted) samples, runs forward_backward with 0 logprobs different, steps, and the
+    saved adapter holds the experts' tensors."""
+    from tinker import types
+
+    monkeypatch.setenv("SPIRL_ENGINE", "native")
+    monkeypatch.setenv("SPIRL_TINKER_DIR", str(tmp_path / "tinker"))
+    from spirl.tinker import clients
+
+    ckpt = weights.write_random_checkpoint(tmp_path / "tm", "tiny-moe", dtype=torch.float32,
+                                           config={"mlp_only_layers": []})
+    svc = clients.ServiceClient(api_key="ignored", base_url="http://ignored")
+    try:
+        client = svc.create_lora_training_client(str(ckpt), rank=4).result()
+        ids = client.get_tokenizer().encode("Question: what is 2+3?")
+        sampler = client.save_weights_and_get_sampling_client().result()
+        res = sampler.sample(prompt=types.ModelInput.from_ints(ids), num_samples=2,
+                             sampling_params=types.SamplingParams(max_tokens=5, seed=1)).result()
+        pad = [0.0] * (len(ids) - 1)
+        data = [types.Datum(model_input=types.ModelInput.from_ints((ids + s.tokens)[:-1]), loss_fn_inputs={
+            "target_tokens": (ids + s.tokens)[1:], "logprobs": pad + s.logprobs,
+            "advantages": pad + [1.0 if j else -1.0] * len(s.tokens), "weights": pad + [1.0] * len(s.tokens)})
+            for j, s in enumerate(res.sequences)]
+        out = client.forward_backward(data, "ppo").result()
+        assert out.metrics["parity/tokens_compared:sum"] > 0 and out.metrics["parity/tokens_different:sum"] == 0
+        client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        saved = client.save_weights_for_sampler("s1").result()
+        assert saved.path
+    finally:
+        svc.close()
+    adapters = list((tmp_path / "tinker").rglob("adapter_config.json"))
+    assert adapters and all(json.loads(a.read_text()).get("target_parameters") for a in adapters)
