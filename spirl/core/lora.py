@@ -42,6 +42,7 @@ from torchtitan_compat.lora import DEFAULT_ALPHA, LoRAError, LoRALinear, LoRASpe
 from torchtitan_compat.peft_adapter import AdapterError, read_adapter
 
 from .config import TrainConfig
+from .pinned import PinnedPool
 from .policy import Policy
 from .spec import LoRAInit, PolicySpec
 
@@ -210,14 +211,17 @@ def _load_weights(model: ModelDir, spec: PolicySpec, device: torch.device, engin
         if untie:
             weights["output.weight"] = compat["tok_embeddings.weight"].to(device, copy=True)
     base = {}  # the frozen base of every adapted weight; the rest lives only in the model (the engine)
+    pool = PinnedPool() if device.type == "cuda" and spec.lora_base != "gpu" else None
     for k in _adapted_keys(spec.lora.spec, args):
         src = "tok_embeddings.weight" if k == "output.weight" and untie else k
         w = compat[src]
         if device.type == "cuda":
-            w = w.to(device, copy=True) if spec.lora_base == "gpu" else w.pin_memory()
+            w = w.to(device, copy=True) if pool is None else pool.copy(w)
         base[k] = w
         if src != "tok_embeddings.weight":
             del compat[src]  # one host copy at a time
+    if pool is not None:
+        log.info("frozen base pinned in host memory: %.1f GiB", pool.reserved / 2**30)
     return weights, base
 
 

@@ -382,8 +382,8 @@ def check(args, cfg, gpu_total_bytes: int, gpu_name: str = "the GPU", **kw) -> M
 def host_estimate(args, cfg, local_ranks: int = 1, lora=None, shards: int = 0) -> MemoryEstimate:
     """The peak host (CPU) memory of one host, its `local_ranks` ranks together; `gpu_total` of the result is
     0 (the caller compares with the host's memory). P = parameters, c = bytes of the checkpoint's dtype (2):
-        LoRA: every rank pins the frozen base of its adapted weights (c x those parameters; none with
-        --lora-base gpu), and one rank at a time reads the checkpoint (spirl.core.lora): the fused layout in
+        LoRA: every rank pins the frozen base of its adapted weights (c x those parameters, packed in 2 GiB
+        buffers: spirl.core.pinned; none with --lora-base gpu), and one rank at a time reads the checkpoint (spirl.core.lora): the fused layout in
         process memory, c P, plus the largest tensor being built (the file's pages are page cache, which the
         kernel reclaims: a 5.8 GiB checkpoint read with 4.9 GiB of anonymous memory at the peak and 4.8 GiB of
         file pages mapped), while its base is pinned from those tensors as they are dropped, so that rank peaks
@@ -398,15 +398,27 @@ def host_estimate(args, cfg, local_ranks: int = 1, lora=None, shards: int = 0) -
     if lora is not None:
         from torchtitan_compat.lora import lora_param_count
 
-        pinned = _lora_parts(args, replace(cfg, lora_base="gpu"), lora, c)["frozen base"] \
-            if cfg.lora_base == "host" else 0
+        pinned, raw = _pinned_base(args, lora, c) if cfg.lora_base == "host" else (0, 0)
         parts["pinned frozen base"] = local_ranks * pinned
         # the reading rank's own base is pinned out of what it read: its peak beyond that base
-        parts["reading the checkpoint"] = max(c * (p + _largest_tensor(args)) - pinned, 16 * lora_param_count(lora, args))
+        parts["reading the checkpoint"] = max(c * (p + _largest_tensor(args)) - raw, 16 * lora_param_count(lora, args))
     else:
         load = local_ranks * (2 * c * p + 4 * p) if shards else 2 * c * p
         parts["reading the checkpoint"] = max(load, 12 * p)
     return MemoryEstimate(parts, 0, 0)
+
+
+def _pinned_base(args, lora, c: int) -> tuple[int, int]:
+    """(host bytes of one rank's frozen base pinned by spirl.core.pinned.PinnedPool, tensor by tensor in the order
+    spirl.core.lora pins them; the bytes of those tensors)."""
+    from weights_vllm_compat import expected_compat_shapes
+
+    from .lora import _adapted_keys
+    from .pinned import footprint
+
+    shapes = expected_compat_shapes(args)
+    sizes = [c * math.prod(shapes.get(k, shapes["tok_embeddings.weight"])) for k in _adapted_keys(lora, args)]
+    return footprint(sizes), sum(sizes)
 
 
 def _largest_tensor(args) -> int:
