@@ -23,7 +23,8 @@ What is counted (P = parameters, c = bytes per element of the compute dtype: 2 f
     lm_head logits of the micro-batch's rows in fp32: T x vocab x 4 B, x 2 for the backward
         (x 3 of one chunk instead when lm_head runs in chunks of `logits_chunk_elements`)
     vLLM's share                        gpu_memory_utilization x GPU total (engine vllm; not
-                                        during training with --vllm-sleep 1)
+                                        during training with --vllm-sleep 1; none with
+                                        --generation-gpus 1: the engine's own GPU)
     fixed overhead                      1 GiB (CUDA context, GEMM workspaces, allocator slack)
 LoRA (`lora`, a LoRASpec; n = adapter parameters): no fp32 masters, model copy or gradients of
 the base: adapters 4 n + their grads 4 n + AdamW 8 n (+ 8 n of initial adapters with a KL term);
@@ -188,7 +189,7 @@ def estimate(args, cfg, gpu_total_bytes: int, max_seq_len: int | None = None,
     rows = t * args.vocab_size
     logits = 3 * min(rows, logits_chunk_elements) * 4 if logits_chunk_elements else 2 * rows * 4
     vllm = 0
-    if cfg.engine == "vllm":
+    if cfg.engine == "vllm" and not getattr(cfg, "generation_gpus", 0):  # else the engine has a GPU of its own
         share = int(cfg.gpu_memory_utilization * gpu_total_bytes)
         vllm = SLEEPING_VLLM_BYTES if getattr(cfg, "vllm_sleep", 0) else share
     parts = {

@@ -29,7 +29,7 @@ from .spec import EngineSpec, PolicySpec
 
 log = logging.getLogger("spirl.core.policy")
 
-EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|> (Qwen3's generation_config eos_token_id)
+from .rollout_engine import EOS_IDS, EngineProcess, RemoteEngine, make_engine  # noqa: F401 - EOS_IDS: its users
 
 
 @dataclass
@@ -136,25 +136,37 @@ def build_engine(engine: EngineSpec, model: ModelDir, policy: Policy | None, wor
                  **engine_settings):
     """The rollout engine: native (on the policy's model) or vLLM (`engine_settings` go to
     VLLMEngineConfig, e.g. LoRA's placeholder weights). `world`: the ranks (default: the policy's);
-    under torchrun each rank gets an engine of its own (vLLM's external launcher, tensor parallel 1)."""
+    under torchrun each rank gets an engine of its own (vLLM's external launcher, tensor parallel 1).
+    `engine.own_process` (--generation-gpus 1): in a process of its own, on the GPU after the trainer's
+    (spirl.core.rollout_engine.RemoteEngine)."""
     world = world or (policy.world if policy is not None else World())
+    if engine.own_process:
+        return RemoteEngine(EngineProcess(engine, str(model.path), _engine_device(world.device),
+                                          str(policy.compute_dtype).removeprefix("torch."),
+                                          getattr(policy.model.backend, "name", "auto")))
+    decoder = None
     if engine.kind == "native":
-        from ..engines.native_engine import NativeEngine
-
         decoder = policy.model
         if policy.fsdp:  # the engine decodes on its own whole copy (weights synced into it)
             from weights_vllm_compat import load_model
 
             decoder = load_model(model, device=policy.world.device, dtype=policy.compute_dtype,
                                  backend="reference").requires_grad_(False)
-        return NativeEngine(decoder, EOS_IDS, logprobs=engine.logprobs)
-    from ..engines.vllm_engine import VLLM_LOGPROBS_MODE, VLLMEngine, VLLMEngineConfig
+    return make_engine(engine, model, decoder, world, **engine_settings)
 
-    return VLLMEngine(VLLMEngineConfig(
-        str(model.path), seed=engine.seed, gpu_memory_utilization=engine.gpu_memory_utilization,
-        max_model_len=engine.max_model_len, cuda_graphs="none" if engine.eager else VLLMEngineConfig.cuda_graphs,
-        logprobs_mode=VLLM_LOGPROBS_MODE[engine.logprobs], sleep_between_rollouts=engine.sleep_between_rollouts,
-        external_launcher=world.sharded, model_args=model.args, **engine_settings))
+
+def _engine_device(trainer: torch.device) -> str:
+    """The engine's own device: the GPU after the trainer's, or the CPU beside a CPU trainer."""
+    from .errors import UserError
+
+    if trainer.type != "cuda":
+        return "cpu"
+    index = (trainer.index or 0) + 1
+    if index >= torch.cuda.device_count():
+        raise UserError(f"--generation-gpus 1 puts the engine on the GPU after the trainer's (cuda:{index}), but "
+                        f"{torch.cuda.device_count()} GPU(s) are visible: make a second GPU visible or set "
+                        "--generation-gpus 0")
+    return f"cuda:{index}"
 
 
 def sync_weights(engine, policy: Policy, spec: PolicySpec) -> None:

@@ -49,6 +49,9 @@ class EngineSpec:
     """vLLM without CUDA graphs (slower rollouts, same numbers)."""
     sleep_between_rollouts: bool = False
     """vLLM's sleep mode between rollouts (KV cache freed, weights to host memory while training)."""
+    own_process: bool = False
+    """The engine in a process of its own, on the GPU after the trainer's (--generation-gpus 1;
+    spirl.core.rollout_engine.RemoteEngine); False: in the trainer's process."""
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,12 @@ def _task(cfg: TrainConfig, model: ModelDir, world: World, resumed) -> tuple[obj
 
         raise ConfigError(f"--partial-rollout-tokens with the multi-turn task {cfg.task}: an episode's turns are "
                           "not carried across steps; set --partial-rollout-tokens 0")
+    if cfg.generation_gpus and (getattr(task, "multi_turn", False) or world.sharded):
+        from ..core.config import ConfigError
+
+        what = f"the multi-turn task {cfg.task} (its episodes rescore in place)" if not world.sharded else \
+            "torchrun (one trainer process only so far)"
+        raise ConfigError(f"--generation-gpus 1 with {what} is not supported; set --generation-gpus 0")
     return task, source, filters
 
 

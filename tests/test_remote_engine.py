@@ -1,0 +1,73 @@
+"""--generation-gpus 1 on the CPU: the native engine in a process of its own (spirl.core.rollout_engine) gives the
+colocated run bit for bit, with --off-policy-steps 1 (sampling beside the trainer) and 0; the refusals."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from spirl.core.config import ConfigError, TrainConfig
+
+STEPS = 3
+
+
+def _cfg(ckpt, root: Path, name: str, **kw) -> TrainConfig:
+    base = dict(model=str(ckpt), engine="native", dtype="float32", device="cpu", task="synthetic", steps=STEPS,
+                prompts_per_step=2, group_size=4, max_new_tokens=4, lr=1e-3, kl_coef=0.0, updates_per_batch=2,
+                checkpoint_every=STEPS, out_dir=str(root / "runs"), checkpoint_dir=str(root / "ck"), run_name=name)
+    return TrainConfig(**{**base, **kw}).validate()
+
+
+def _strip(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
+
+
+@pytest.mark.parametrize("k", [1, pytest.param(0, marks=pytest.mark.slow)])
+def test_engine_in_its_own_process_is_the_colocated_run(tiny_ckpt, tmp_path, caplog, k):
+    """The same run with the engine in the trainer's process and in a process of its own: every scalar but times
+    and memory equal, and the last checkpoint's files (weights, optimizer state, rollouts sampled ahead) byte for
+    byte; the second run's engine was another process (its log line)."""
+    from spirl.loops.run import train
+
+    colocated = train(_cfg(tiny_ckpt, tmp_path, "here", off_policy_steps=k))
+    with caplog.at_level(logging.INFO, logger="spirl.core.rollout_engine"):
+        remote = train(_cfg(tiny_ckpt, tmp_path, "there", off_policy_steps=k, generation_gpus=1))
+    assert any("in a process of its own on cpu" in r.getMessage() for r in caplog.records)
+    assert len(remote) == STEPS and _strip(remote) == _strip(colocated)
+    assert all(r["parity/tokens_different"] == 0 and r["parity/tokens_compared"] > 0 for r in remote)
+    here, there = (tmp_path / "ck" / n / f"step_{STEPS:06d}" for n in ("here", "there"))
+    names = sorted(p.name for p in here.iterdir() if p.suffix == ".safetensors")
+    assert names and names == sorted(p.name for p in there.iterdir() if p.suffix == ".safetensors")
+    assert all((here / n).read_bytes() == (there / n).read_bytes() for n in names)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(generation_gpus=2), "several engine GPUs are not built yet"),
+    (dict(generation_gpus=1, lora_rank=4), "--generation-gpus 1 with LoRA"),
+    (dict(generation_gpus=1, engine="vllm", vllm_sleep=1), "--generation-gpus 1 with --vllm-sleep 1"),
+])
+def test_refused_in_one_line(tiny_ckpt, tmp_path, kw, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        _cfg(tiny_ckpt, tmp_path, "x", **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_multi_turn_task_refused_at_set_up(tiny_ckpt, tmp_path):
+    from spirl.loops.run import train
+
+    with pytest.raises(ConfigError, match="--generation-gpus 1 with the multi-turn task calculator") as e:
+        train(_cfg(tiny_ckpt, tmp_path, "mt", task="calculator", generation_gpus=1))
+    assert "\n" not in str(e.value)
+
+
+def test_engine_process_failure_is_one_line(tmp_path):
+    """An engine that cannot be built (no checkpoint there) fails the run in one line naming the engine's process."""
+    from spirl.core.rollout_engine import EngineProcess, RemoteEngine, RemoteEngineError
+    from spirl.core.spec import EngineSpec
+
+    with pytest.raises(RemoteEngineError, match=r"the engine's process \(on cpu\) failed: building the engine") as e:
+        RemoteEngine(EngineProcess(EngineSpec(kind="native", own_process=True), str(tmp_path / "none"), "cpu",
+                                   "float32", "reference"))
+    assert "\n" not in str(e.value)
