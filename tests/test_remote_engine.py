@@ -21,7 +21,7 @@ def _cfg(ckpt, root: Path, name: str, **kw) -> TrainConfig:
 
 
 def _strip(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/", "triton/"))} for r in rows]
 
 
 @pytest.mark.parametrize("k", [1, pytest.param(0, marks=pytest.mark.slow)])

@@ -17,6 +17,7 @@ Transport: Python's multiprocessing (spawn) pipe, with torch's tensor pickling; 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -135,9 +136,12 @@ class RemoteEngine:
         self._conn, child = ctx.Pipe()
         self._lock = threading.Lock()
         self.device = process.device
-        self._proc = ctx.Process(target=_serve, args=(child, process), name="spirl-engine", daemon=True)
+        # not a daemon: vLLM starts processes of its own (a daemon may not); if the trainer dies, the engine's
+        # process reads EOF and ends
+        self._proc = ctx.Process(target=_serve, args=(child, process), name="spirl-engine", daemon=False)
         self._proc.start()
         child.close()
+        atexit.register(self.close)  # runs before multiprocessing joins its children at exit (atexit is LIFO)
         self._answer("starting the engine's process")
         log.info("rollout engine (%s) in a process of its own on %s (pid %d)", process.engine.kind, process.device,
                  self._proc.pid)
@@ -168,6 +172,7 @@ class RemoteEngine:
 
     def close(self) -> None:
         """Stop the engine's process (it closes its engine first)."""
+        atexit.unregister(self.close)
         if not self._proc.is_alive():
             return
         try:
