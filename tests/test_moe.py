@@ -378,13 +378,20 @@ def test_peft_reads_our_attention_adapter_on_a_moe(tmp_path):
     """An adapter on attn + lm_head of a Qwen3-MoE, written here: PEFT on transformers' Qwen3MoeForCausalLM gives
     our logits (within the MoE logits tolerance above, 1e-4) and far from the base's; weights.py --merge-lora equals
     PEFT's merge_and_unload bit for bit, experts included."""
+    path, hf = hf_moe(tmp_path)
+    peft_reads_our_adapter(tmp_path, path, hf, "attn,lm_head")
+
+
+def peft_reads_our_adapter(tmp_path: Path, path: Path, hf, targets: str) -> None:
+    """Our LoRA of `targets` on checkpoint `path` (B random: the adapter moves the logits), written as a PEFT
+    adapter: PEFT on `hf` gives our logits (1e-4) and not the base's; weights.py --merge-lora equals PEFT's
+    merge_and_unload bit for bit."""
     from peft import PeftModel
 
     from torchtitan_compat.lora import LoRASpec, apply_lora, lora_modules, parse_targets
     from torchtitan_compat.peft_adapter import write_adapter
 
-    path, hf = hf_moe(tmp_path)
-    spec = LoRASpec(4, 16.0, parse_targets("attn,lm_head"))
+    spec = LoRASpec(4, 16.0, parse_targets(targets))
     ours = wvc.load_model(path, backend="reference").requires_grad_(False)
     apply_lora(ours, spec, {k: v.detach().clone() for k, v in ours.state_dict().items()}, seed=0)
     g = torch.Generator().manual_seed(1)
@@ -413,8 +420,6 @@ def test_tinker_api_trains_a_moe(tmp_path, monkeypatch):
     """The Tinker SDK's types on a tiny MoE (native engine): LoRA with train_mlp=False samples, runs
     forward_backward with 0 logprobs different and steps; the default (experts adapted too) is refused on this model,
     whose layer 0 is dense (PEFT cannot express LoRA on its MLP: tests/test_moe_lora.py)."""
-    from tinker import types
-
     from torchtitan_compat.lora import LoRAError
 
     monkeypatch.setenv("SPIRL_ENGINE", "native")
@@ -426,21 +431,28 @@ def test_tinker_api_trains_a_moe(tmp_path, monkeypatch):
     try:
         with pytest.raises(LoRAError, match="train_mlp=False"):
             svc.create_lora_training_client(str(ckpt), rank=4).result()
-        client = svc.create_lora_training_client(str(ckpt), rank=4, train_mlp=False).result()
-        ids = client.get_tokenizer().encode("Question: what is 2+3?")
-        sampler = client.save_weights_and_get_sampling_client().result()
-        res = sampler.sample(prompt=types.ModelInput.from_ints(ids), num_samples=2,
-                             sampling_params=types.SamplingParams(max_tokens=5, seed=1)).result()
-        pad = [0.0] * (len(ids) - 1)
-        data = [types.Datum(model_input=types.ModelInput.from_ints((ids + s.tokens)[:-1]), loss_fn_inputs={
-            "target_tokens": (ids + s.tokens)[1:], "logprobs": pad + s.logprobs,
-            "advantages": pad + [1.0 if j else -1.0] * len(s.tokens), "weights": pad + [1.0] * len(s.tokens)})
-            for j, s in enumerate(res.sequences)]
-        out = client.forward_backward(data, "ppo").result()
-        assert out.metrics["parity/tokens_compared:sum"] > 0 and out.metrics["parity/tokens_different:sum"] == 0
-        client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        tinker_round(svc.create_lora_training_client(str(ckpt), rank=4, train_mlp=False).result())
     finally:
         svc.close()
+
+
+def tinker_round(client) -> None:
+    """A Tinker training client's round: sample 2 completions, forward_backward (PPO) on them with 0 logprobs
+    different from the sampler's, one optim_step."""
+    from tinker import types
+
+    ids = client.get_tokenizer().encode("Question: what is 2+3?")
+    sampler = client.save_weights_and_get_sampling_client().result()
+    res = sampler.sample(prompt=types.ModelInput.from_ints(ids), num_samples=2,
+                         sampling_params=types.SamplingParams(max_tokens=5, seed=1)).result()
+    pad = [0.0] * (len(ids) - 1)
+    data = [types.Datum(model_input=types.ModelInput.from_ints((ids + s.tokens)[:-1]), loss_fn_inputs={
+        "target_tokens": (ids + s.tokens)[1:], "logprobs": pad + s.logprobs,
+        "advantages": pad + [1.0 if j else -1.0] * len(s.tokens), "weights": pad + [1.0] * len(s.tokens)})
+        for j, s in enumerate(res.sequences)]
+    out = client.forward_backward(data, "ppo").result()
+    assert out.metrics["parity/tokens_compared:sum"] > 0 and out.metrics["parity/tokens_different:sum"] == 0
+    client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
 
 
 def test_moe_config_picks_the_nearest_tuned_token_count(monkeypatch):

@@ -13,25 +13,15 @@ import torch
 
 import weights
 import weights_vllm_compat as wvc
-from tests.test_moe import hf_moe, packed_logits
+from tests.test_moe import hf_moe, packed_logits, peft_reads_our_adapter, tinker_round
 from torchtitan_compat import moe
 from torchtitan_compat.config import hf_config_for_shape, model_args_from_hf_config
-from torchtitan_compat.lora import LoRAError, LoRASpec, apply_lora, check_spec, lora_modules, parse_targets
-from torchtitan_compat.lora_experts import ExpertsDeltaFunction, LoRAExperts, delta
+from torchtitan_compat.lora import LoRAError, LoRASpec, apply_lora, check_spec, lora_modules
+from torchtitan_compat.lora_experts import ExpertsDeltaFunction, delta
 from torchtitan_compat.ops import ReferenceBackend
-from torchtitan_compat.peft_adapter import AdapterError, read_adapter, write_adapter
+from torchtitan_compat.peft_adapter import AdapterError, read_adapter
 
 BE = ReferenceBackend()
-
-
-def _randomize_b(model, seed: int, scale: float = 0.1) -> None:
-    """B = random (it starts at zero) and W' merged, so that an adapter changes the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in lora_modules(model).values():
-            for b in m.lora_B.values():
-                b.copy_(torch.randn(b.shape, generator=g) * scale)
-            m.merge()
 
 
 def _lora_model(path: Path, spec: LoRASpec, params: dict | None = None):
@@ -95,36 +85,16 @@ def test_frozen_experts_get_no_weight_gradient():
 
 
 def test_peft_reads_our_expert_adapter(tmp_path):
-    """An adapter on attention, the experts (gate_up_proj, down_proj) and lm_head, trained-looking, written here:
-    its config names target_parameters; PEFT on transformers' Qwen3MoeForCausalLM gives our logits (within the MoE
-    logits tolerance of tests/test_moe.py, 1e-4) and far from the base's; weights.py --merge-lora equals PEFT's
-    merge_and_unload bit for bit."""
-    from peft import PeftModel
-
+    """An adapter on attention, the experts (gate_up_proj, down_proj) and lm_head, written here: its config names
+    target_parameters (not gate_proj); PEFT on transformers' Qwen3MoeForCausalLM gives our logits (1e-4) and far
+    from the base's; weights.py --merge-lora equals PEFT's merge_and_unload bit for bit, the experts moved."""
     path, hf = hf_moe(tmp_path, mlp_only_layers=[])
-    spec = LoRASpec(4, 16.0, parse_targets("all-linear,lm_head"))
-    ours = _lora_model(path, spec)
-    assert any(isinstance(m, LoRAExperts) for m in lora_modules(ours).values())
-    _randomize_b(ours, 1)
-    write_adapter(tmp_path / "a", {n: q for n, q in ours.named_parameters() if q.requires_grad}, spec)
+    peft_reads_our_adapter(tmp_path, path, hf, "all-linear,lm_head")
     cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert "gate_proj" not in cfg["target_modules"]
-    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        base = hf(ids).logits
-        peft = PeftModel.from_pretrained(hf, str(tmp_path / "a")).eval()
-        theirs = peft(ids).logits
-        mine = packed_logits(ours, ids)
-    assert (mine - theirs).abs().max() < 1e-4 and (base - theirs).abs().max() > 1e-2
-    weights.merge_lora(tmp_path / "a", path, tmp_path / "m", device="cpu")
-    args = model_args_from_hf_config(weights.load_hf_checkpoint(path)[0])
-    merged = weights.load_hf_checkpoint(tmp_path / "m")[1]
-    peft_merged = weights.unfuse_experts(dict(peft.merge_and_unload().state_dict()), args)
-    assert set(merged) == set(peft_merged)
-    assert all(torch.equal(v, peft_merged[k]) for k, v in merged.items())
-    assert not torch.equal(merged["model.layers.1.mlp.experts.3.down_proj.weight"],
-                           weights.load_hf_checkpoint(path)[1]["model.layers.1.mlp.experts.3.down_proj.weight"])
+    key = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert not torch.equal(weights.load_hf_checkpoint(tmp_path / "m")[1][key], weights.load_hf_checkpoint(path)[1][key])
 
 
 @pytest.mark.parametrize("params", [
@@ -245,8 +215,6 @@ def test_tinker_api_trains_the_experts(tmp_path, monkeypatch):
     """The Tinker SDK's types on a tiny MoE whose layers are all sparse (native engine): the default LoRA
     (train_mlp=True: the experts adapted) samples, runs forward_backward with 0 logprobs different, steps, and the
     saved adapter holds the experts' tensors."""
-    from tinker import types
-
     monkeypatch.setenv("SPIRL_ENGINE", "native")
     monkeypatch.setenv("SPIRL_TINKER_DIR", str(tmp_path / "tinker"))
     from spirl.tinker import clients
@@ -256,20 +224,8 @@ def test_tinker_api_trains_the_experts(tmp_path, monkeypatch):
     svc = clients.ServiceClient(api_key="ignored", base_url="http://ignored")
     try:
         client = svc.create_lora_training_client(str(ckpt), rank=4).result()
-        ids = client.get_tokenizer().encode("Question: what is 2+3?")
-        sampler = client.save_weights_and_get_sampling_client().result()
-        res = sampler.sample(prompt=types.ModelInput.from_ints(ids), num_samples=2,
-                             sampling_params=types.SamplingParams(max_tokens=5, seed=1)).result()
-        pad = [0.0] * (len(ids) - 1)
-        data = [types.Datum(model_input=types.ModelInput.from_ints((ids + s.tokens)[:-1]), loss_fn_inputs={
-            "target_tokens": (ids + s.tokens)[1:], "logprobs": pad + s.logprobs,
-            "advantages": pad + [1.0 if j else -1.0] * len(s.tokens), "weights": pad + [1.0] * len(s.tokens)})
-            for j, s in enumerate(res.sequences)]
-        out = client.forward_backward(data, "ppo").result()
-        assert out.metrics["parity/tokens_compared:sum"] > 0 and out.metrics["parity/tokens_different:sum"] == 0
-        client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
-        saved = client.save_weights_for_sampler("s1").result()
-        assert saved.path
+        tinker_round(client)
+        assert client.save_weights_for_sampler("s1").result().path
     finally:
         svc.close()
     adapters = list((tmp_path / "tinker").rglob("adapter_config.json"))
