@@ -319,6 +319,40 @@ def unfuse_experts(sd: dict, model_args) -> dict:
     return out
 
 
+def hf_experts_to_compat(hf_sd: dict, model_args, consume: bool = False, layers=None) -> dict:
+    """The sparse layers' HF router and per-expert tensors (all of them, or those of `layers`) in the merged
+    layout: each layer's experts copied once into [E, 2I, D] and [E, D, I] tensors of the HF tensors' dtype.
+    `consume`: each HF tensor is taken out of hf_sd once copied, so that the host holds about one copy of the
+    experts at a time (Qwen3-30B-A3B: 57 GiB of bf16 experts)."""
+    a, out = model_args, {}
+    take = hf_sd.pop if consume else hf_sd.__getitem__
+    for i in sparse_layers(a) if layers is None else layers:
+        p, e_count, inter = f"model.layers.{i}.mlp.", a.moe_args.num_experts, a.moe_inter_dim
+        first = hf_sd[p + "experts.0.gate_proj.weight"]
+        gate_up = torch.empty((e_count, 2 * inter, a.dim), dtype=first.dtype)
+        down = torch.empty((e_count, a.dim, inter), dtype=first.dtype)
+        for e in range(e_count):
+            gate_up[e, :inter] = take(f"{p}experts.{e}.gate_proj.weight")
+            gate_up[e, inter:] = take(f"{p}experts.{e}.up_proj.weight")
+            down[e] = take(f"{p}experts.{e}.down_proj.weight")
+        out.update({f"layers.{i}.moe.router.weight": take(p + "gate.weight"),
+                    f"layers.{i}.moe.experts.gate_up_proj": gate_up, f"layers.{i}.moe.experts.down_proj": down})
+    return out
+
+
+def compat_experts_to_hf(compat_part: dict, model_args) -> dict:
+    """Merged-layout router and expert tensors (any subset of them) under their HF names: views, no copy."""
+    out = {}
+    for name, t in compat_part.items():
+        layer, _, what = name.removeprefix("layers.").partition(".moe.")
+        p = f"model.layers.{layer}.mlp."
+        if what == "router.weight":
+            out[p + "gate.weight"] = t
+        else:  # experts.gate_up_proj or experts.down_proj
+            out.update(per_expert_tensors(p + "experts.", what.removeprefix("experts."), t, model_args.moe_inter_dim))
+    return out
+
+
 def per_expert_tensors(prefix: str, what: str, t: torch.Tensor, inter: int) -> dict:
     """The per-expert HF tensors (`{prefix}{e}.gate_proj.weight`, `up_proj`, `down_proj`) of a fused [E, 2I, D]
     gate_up_proj or [E, D, I] down_proj (`what`): views, no copy."""
@@ -480,19 +514,17 @@ def merge_lora(adapter_dir: str | Path, model_dir: str | Path, out: str | Path, 
 def _merged_experts(hf_sd: dict, params: dict, spec, args, experts: tuple[str, ...], dev) -> dict:
     """The per-expert HF tensors of every sparse layer with the adapters of the `experts` parameters merged in
     (torchtitan_compat.lora_experts.merged_experts on the stacked [E, out, in] tensors)."""
-    import weights_vllm_compat as wvc
-    from torchtitan_compat.config import sparse_layers
     from torchtitan_compat.lora_experts import merged_experts
     from torchtitan_compat.peft_adapter import expert_param_name
 
     out = {}
     for i in sparse_layers(args):
-        stacked = wvc.hf_experts_to_compat(hf_sd, args, layers=[i])
+        stacked = hf_experts_to_compat(hf_sd, args, layers=[i])
         for t in experts:
             key = f"layers.{i}.moe.experts.{t}"
             a, b = (params[expert_param_name(t, i, x)].to(dev) for x in "AB")
             stacked[key] = merged_experts(stacked[key], a, b, spec.scale, stacked[key].dtype, dev).cpu()
-        out.update(wvc.compat_experts_to_hf(stacked, args))
+        out.update(compat_experts_to_hf(stacked, args))
     return out
 
 

@@ -35,9 +35,9 @@ import torch
 
 from torchtitan_compat import Qwen3VLLMCompatModel, select_backend
 from torchtitan_compat.config import ModelDir, sparse_layers
-from weights import (WeightsError, check_state_dict, expected_hf_expert_shapes, expected_hf_shapes,
-                     expected_titan_shapes, hf_names_of_titan, hf_state_dict, hf_to_titan, per_expert_tensors,
-                     read_model_dir, titan_to_hf)
+from weights import (WeightsError, check_state_dict, compat_experts_to_hf, expected_hf_expert_shapes,
+                     expected_hf_shapes, hf_experts_to_compat,
+                     expected_titan_shapes, hf_names_of_titan, hf_state_dict, hf_to_titan, read_model_dir, titan_to_hf)
 
 _HINT = "the weights do not match the model config"
 
@@ -141,40 +141,6 @@ def _split_off_experts(sd: dict, names, consume: bool = False) -> tuple[dict, di
     names = set(names)
     moe = {k: sd.pop(k) for k in list(sd) if k in names} if consume else {k: v for k, v in sd.items() if k in names}
     return moe, {k: v for k, v in sd.items() if k not in names}
-
-
-def hf_experts_to_compat(hf_sd: dict, model_args, consume: bool = False, layers=None) -> dict:
-    """The sparse layers' HF router and per-expert tensors (all of them, or those of `layers`) in the merged
-    layout: each layer's experts copied once into [E, 2I, D] and [E, D, I] tensors of the HF tensors' dtype.
-    `consume`: each HF tensor is taken out of hf_sd once copied, so that the host holds about one copy of the
-    experts at a time (Qwen3-30B-A3B: 57 GiB of bf16 experts)."""
-    a, out = model_args, {}
-    take = hf_sd.pop if consume else hf_sd.__getitem__
-    for i in sparse_layers(a) if layers is None else layers:
-        p, e_count, inter = f"model.layers.{i}.mlp.", a.moe_args.num_experts, a.moe_inter_dim
-        first = hf_sd[p + "experts.0.gate_proj.weight"]
-        gate_up = torch.empty((e_count, 2 * inter, a.dim), dtype=first.dtype)
-        down = torch.empty((e_count, a.dim, inter), dtype=first.dtype)
-        for e in range(e_count):
-            gate_up[e, :inter] = take(f"{p}experts.{e}.gate_proj.weight")
-            gate_up[e, inter:] = take(f"{p}experts.{e}.up_proj.weight")
-            down[e] = take(f"{p}experts.{e}.down_proj.weight")
-        out.update({f"layers.{i}.moe.router.weight": take(p + "gate.weight"),
-                    f"layers.{i}.moe.experts.gate_up_proj": gate_up, f"layers.{i}.moe.experts.down_proj": down})
-    return out
-
-
-def compat_experts_to_hf(compat_part: dict, model_args) -> dict:
-    """Merged-layout router and expert tensors (any subset of them) under their HF names: views, no copy."""
-    out = {}
-    for name, t in compat_part.items():
-        layer, _, what = name.removeprefix("layers.").partition(".moe.")
-        p = f"model.layers.{layer}.mlp."
-        if what == "router.weight":
-            out[p + "gate.weight"] = t
-        else:  # experts.gate_up_proj or experts.down_proj
-            out.update(per_expert_tensors(p + "experts.", what.removeprefix("experts."), t, model_args.moe_inter_dim))
-    return out
 
 
 def _split_to_titan(compat: dict, model_args, own=lambda t: t) -> dict:
