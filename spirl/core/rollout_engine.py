@@ -105,7 +105,8 @@ def _serve(conn, p: EngineProcess) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, one line
         conn.send(("error", f"building the engine: {type(e).__name__}: {e}"))
         return
-    conn.send(("ok", None))
+    budget = getattr(engine, "prefill_budget", None)  # vLLM's token budget, for the precompile's warm-up
+    conn.send(("ok", None if budget is None else budget()))
     while True:
         try:
             method, args, kwargs = conn.recv()
@@ -142,7 +143,7 @@ class RemoteEngine:
         self._proc.start()
         child.close()
         atexit.register(self.close)  # runs before multiprocessing joins its children at exit (atexit is LIFO)
-        self._answer("starting the engine's process")
+        self._budget = self._answer("starting the engine's process")
         log.info("rollout engine (%s) in a process of its own on %s (pid %d)", process.engine.kind, process.device,
                  self._proc.pid)
 
@@ -162,6 +163,9 @@ class RemoteEngine:
             return self._answer(method)
 
     def __getattr__(self, name: str):
+        if name == "prefill_budget" and self.__dict__.get("_budget") is not None:
+            # vLLM's (tokens, sequences) per step: the precompile's warm-up prefills reach its process by `generate`
+            return lambda: self._budget
         if name in METHODS:
             return lambda *a, **kw: self._call(name, *a, **kw)
         raise AttributeError(name)
