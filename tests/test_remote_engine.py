@@ -25,7 +25,7 @@ def _strip(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("k", [1, pytest.param(0, marks=pytest.mark.slow)])
-def test_engine_in_its_own_process_is_the_colocated_run(tiny_ckpt, tmp_path, caplog, k):
+def test_engine_in_its_separate_gpus_is_the_colocated_run(tiny_ckpt, tmp_path, caplog, k):
     """The same run with the engine in the trainer's process and in a process of its own: every scalar but times
     and memory equal, and the last checkpoint's files (weights, optimizer state, rollouts sampled ahead) byte for
     byte; the second run's engine was another process (its log line)."""
@@ -44,9 +44,9 @@ def test_engine_in_its_own_process_is_the_colocated_run(tiny_ckpt, tmp_path, cap
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(generation_gpus=2), "several engine GPUs are not built yet"),
-    (dict(generation_gpus=1, lora_rank=4), "--generation-gpus 1 with LoRA"),
-    (dict(generation_gpus=1, engine="vllm", vllm_sleep=1), "--generation-gpus 1 with --vllm-sleep 1"),
+    (dict(generation_gpus=1, lora_rank=4), "--generation-gpus with LoRA"),
+    (dict(generation_gpus=1, engine="vllm", vllm_sleep=1), "--generation-gpus with --vllm-sleep 1"),
+    (dict(generation_gpus=-1), "generation_gpus must be >= 0"),
 ])
 def test_refused_in_one_line(tiny_ckpt, tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message) as e:
@@ -54,11 +54,15 @@ def test_refused_in_one_line(tiny_ckpt, tmp_path, kw, message):
     assert "\n" not in str(e.value)
 
 
-def test_multi_turn_task_refused_at_set_up(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("kw, message", [
+    (dict(task="calculator", generation_gpus=1), "--generation-gpus with the multi-turn task calculator"),
+    (dict(generation_gpus=2), r"--generation-gpus 2 with 1 trainer rank\(s\) on this node: .* set --generation-gpus 1"),
+])
+def test_refused_at_set_up(tiny_ckpt, tmp_path, kw, message):
     from spirl.loops.run import train
 
-    with pytest.raises(ConfigError, match="--generation-gpus 1 with the multi-turn task calculator") as e:
-        train(_cfg(tiny_ckpt, tmp_path, "mt", task="calculator", generation_gpus=1))
+    with pytest.raises(ConfigError, match=message) as e:
+        train(_cfg(tiny_ckpt, tmp_path, "mt", **kw))
     assert "\n" not in str(e.value)
 
 
@@ -68,6 +72,22 @@ def test_engine_process_failure_is_one_line(tmp_path):
     from spirl.core.spec import EngineSpec
 
     with pytest.raises(RemoteEngineError, match=r"the engine's process \(on cpu\) failed: building the engine") as e:
-        RemoteEngine(EngineProcess(EngineSpec(kind="native", own_process=True), str(tmp_path / "none"), "cpu",
+        RemoteEngine(EngineProcess(EngineSpec(kind="native", separate_gpus=1), str(tmp_path / "none"), "cpu",
                                    "float32", "reference"))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_each_with_an_engine_process(tmp_path):
+    """Two gloo ranks under torchrun (FSDP2), K = 1, each rank's engine in a process of its own
+    (--generation-gpus 2): every scalar but times and memory, and the last checkpoint's files, equal to the two
+    ranks with their engines in the trainers' processes."""
+    from test_offpolicy import _hashes, _torchrun
+
+    here = _torchrun(tmp_path, "here", 2)
+    there = _torchrun(tmp_path, "there", 2, "--generation-gpus", "2")
+    assert _strip(there) == _strip(here) and all(r["parity/tokens_different"] == 0 for r in there)
+    last = sorted((tmp_path / "ck" / "here").iterdir())[-1].name
+    tensors = [{k: v for k, v in _hashes(tmp_path / "ck" / n / last).items() if k.endswith(".safetensors")}
+               for n in ("here", "there")]  # state.json holds each run's own config
+    assert tensors[0] and tensors[0] == tensors[1]

@@ -174,12 +174,13 @@ class TrainConfig:
     depends on K and --seed only: a run repeats and resumes bit for bit. 0 = synchronous (sample, then train).
     spirl/loops/ahead.py."""
     generation_gpus: int = 0
-    """1 = the rollout engine in a process of its own, on the GPU after the trainer's (on a machine without CUDA, a
-    second process on the CPU): with --off-policy-steps K its sampling overlaps the trainer's step on another
-    device, and the weights are sent to it after each update; the run is the colocated run bit for bit.
-    --gpu-memory-utilization is then the engine's share of its own GPU. 0 = the engine in the trainer's process.
-    One trainer process only (not under torchrun), full fine-tuning, single-turn tasks.
-    spirl/core/rollout_engine.py."""
+    """M > 0: the rollout engines on GPUs of their own, one per trainer rank of the node, each in a process of its
+    own, on GPU local_rank + M (one process: M = 1, the GPU after the trainer's; on a machine without CUDA, a
+    second process on the CPU): with --off-policy-steps K the sampling overlaps the trainer's step on other
+    devices, and the weights are sent to the engines after each update; the run is the colocated run bit for bit.
+    M must equal the node's trainer ranks (--nproc-per-node; 1 without torchrun). --gpu-memory-utilization is then
+    an engine's share of its own GPU. 0 = each engine in its trainer's process. Full fine-tuning, single-turn
+    tasks. spirl/core/rollout_engine.py."""
     partial_rollout_tokens: int = 0
     """Partial rollouts: a step samples at most this many new tokens per completion; completions that have not
     ended are carried to the next step and continued there (under that step's weights), and a group is trained
@@ -284,13 +285,12 @@ class TrainConfig:
             (self.vllm_sleep in (0, 1), "vllm_sleep must be 0 or 1"),
             (self.off_policy_steps >= 0, "off_policy_steps must be >= 0 (0 = synchronous)"),
             (self.partial_rollout_tokens >= 0, "partial_rollout_tokens must be >= 0 (0 = off)"),
-            (self.generation_gpus in (0, 1), "generation_gpus must be 0 (the engine in the trainer's process) or 1 "
-             "(the engine on a GPU of its own); several engine GPUs are not built yet"),
+            (self.generation_gpus >= 0, "generation_gpus must be >= 0 (0: each engine in its trainer's process)"),
             (not (self.generation_gpus and self.lora),
-             "--generation-gpus 1 with LoRA: LoRA's trainer computes with the engine's own weight tensors, which "
+             "--generation-gpus with LoRA: LoRA's trainer computes with the engine's own weight tensors, which "
              "another process cannot share; train LoRA with --generation-gpus 0"),
             (not (self.generation_gpus and self.vllm_sleep),
-             "--generation-gpus 1 with --vllm-sleep 1: the engine has a GPU of its own, nothing to free; set "
+             "--generation-gpus with --vllm-sleep 1: the engine has a GPU of its own, nothing to free; set "
              "--vllm-sleep 0"),
             (not (self.partial_rollout_tokens and (self.filter or self.dynamic_sampling)),
              "--partial-rollout-tokens with --filter / --dynamic-sampling: a filter would judge groups before their "
@@ -371,7 +371,7 @@ class TrainConfig:
         engine = EngineSpec(kind=self.engine, logprobs=self.logprobs, seed=self.seed,
                             gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_len,
                             eager=bool(self.eager), sleep_between_rollouts=bool(self.vllm_sleep),
-                            own_process=bool(self.generation_gpus))
+                            separate_gpus=self.generation_gpus)
         return PolicySpec(model=self.model, engine=engine, dtype=self.dtype, lora=lora, lr=self.lr,
                           weight_decay=self.weight_decay, reference=self.kl_coef > 0,
                           activation_checkpointing=bool(self.activation_checkpointing), lora_base=self.lora_base,

@@ -24,7 +24,7 @@ What is counted (P = parameters, c = bytes per element of the compute dtype: 2 f
         (x 3 of one chunk instead when lm_head runs in chunks of `logits_chunk_elements`)
     vLLM's share                        gpu_memory_utilization x GPU total (engine vllm; not
                                         during training with --vllm-sleep 1; none with
-                                        --generation-gpus 1: the engine's own GPU)
+                                        --generation-gpus: the engine's own GPU)
     fixed overhead                      1 GiB (CUDA context, GEMM workspaces, allocator slack)
 LoRA (`lora`, a LoRASpec; n = adapter parameters): no fp32 masters, model copy or gradients of
 the base: adapters 4 n + their grads 4 n + AdamW 8 n (+ 8 n of initial adapters with a KL term);

@@ -137,11 +137,12 @@ def build_engine(engine: EngineSpec, model: ModelDir, policy: Policy | None, wor
     """The rollout engine: native (on the policy's model) or vLLM (`engine_settings` go to
     VLLMEngineConfig, e.g. LoRA's placeholder weights). `world`: the ranks (default: the policy's);
     under torchrun each rank gets an engine of its own (vLLM's external launcher, tensor parallel 1).
-    `engine.own_process` (--generation-gpus 1): in a process of its own, on the GPU after the trainer's
+    `engine.separate_gpus` M (--generation-gpus M): in a process of its own, on GPU trainer + M
     (spirl.core.rollout_engine.RemoteEngine)."""
     world = world or (policy.world if policy is not None else World())
-    if engine.own_process:
-        return RemoteEngine(EngineProcess(engine, str(model.path), _engine_device(world.device),
+    if engine.separate_gpus:
+        device = _engine_device(world.device, engine.separate_gpus)
+        return RemoteEngine(EngineProcess(engine, str(model.path), device,
                                           str(policy.compute_dtype).removeprefix("torch."),
                                           getattr(policy.model.backend, "name", "auto")))
     decoder = None
@@ -155,17 +156,18 @@ def build_engine(engine: EngineSpec, model: ModelDir, policy: Policy | None, wor
     return make_engine(engine, model, decoder, world, **engine_settings)
 
 
-def _engine_device(trainer: torch.device) -> str:
-    """The engine's own device: the GPU after the trainer's, or the CPU beside a CPU trainer."""
+def _engine_device(trainer: torch.device, engine_gpus: int) -> str:
+    """The engine's own device: GPU trainer index + `engine_gpus` (the node's trainer ranks come first, their
+    engines after them), or the CPU beside a CPU trainer."""
     from .errors import UserError
 
     if trainer.type != "cuda":
         return "cpu"
-    index = (trainer.index or 0) + 1
+    index = (trainer.index or 0) + engine_gpus
     if index >= torch.cuda.device_count():
-        raise UserError(f"--generation-gpus 1 puts the engine on the GPU after the trainer's (cuda:{index}), but "
-                        f"{torch.cuda.device_count()} GPU(s) are visible: make a second GPU visible or set "
-                        "--generation-gpus 0")
+        raise UserError(f"--generation-gpus {engine_gpus} puts this rank's engine on cuda:{index}, but "
+                        f"{torch.cuda.device_count()} GPU(s) are visible: make twice the trainer ranks' GPUs visible "
+                        "or set --generation-gpus 0")
     return f"cuda:{index}"
 
 

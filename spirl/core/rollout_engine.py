@@ -1,5 +1,6 @@
-"""Building the rollout engine, in the trainer's process or in a process of its own (--generation-gpus 1: the
-trainer on its GPU, the engine on the next one; on a machine without CUDA, a second process on the CPU).
+"""Building the rollout engine, in the trainer's process or in a process of its own (--generation-gpus M: each of
+the node's M trainer ranks on its GPU, its engine on GPU local_rank + M; one process: the engine on the next GPU;
+on a machine without CUDA, a second process on the CPU).
 
 `make_engine` builds the engine an EngineSpec names (native, on a decoder model; or vLLM); spirl.core.policy
 chooses the decoder and where the engine runs.

@@ -49,9 +49,9 @@ class EngineSpec:
     """vLLM without CUDA graphs (slower rollouts, same numbers)."""
     sleep_between_rollouts: bool = False
     """vLLM's sleep mode between rollouts (KV cache freed, weights to host memory while training)."""
-    own_process: bool = False
-    """The engine in a process of its own, on the GPU after the trainer's (--generation-gpus 1;
-    spirl.core.rollout_engine.RemoteEngine); False: in the trainer's process."""
+    separate_gpus: int = 0
+    """M > 0: the engine in a process of its own, on GPU trainer + M (--generation-gpus M: the node's M trainer
+    ranks first, their engines after; spirl.core.rollout_engine.RemoteEngine); 0: in the trainer's process."""
 
 
 @dataclass(frozen=True)

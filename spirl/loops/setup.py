@@ -258,13 +258,24 @@ def _task(cfg: TrainConfig, model: ModelDir, world: World, resumed) -> tuple[obj
 
         raise ConfigError(f"--partial-rollout-tokens with the multi-turn task {cfg.task}: an episode's turns are "
                           "not carried across steps; set --partial-rollout-tokens 0")
-    if cfg.generation_gpus and (getattr(task, "multi_turn", False) or world.sharded):
-        from ..core.config import ConfigError
-
-        what = f"the multi-turn task {cfg.task} (its episodes rescore in place)" if not world.sharded else \
-            "torchrun (one trainer process only so far)"
-        raise ConfigError(f"--generation-gpus 1 with {what} is not supported; set --generation-gpus 0")
+    if cfg.generation_gpus:
+        _check_generation_gpus(cfg, task)
     return task, source, filters
+
+
+def _check_generation_gpus(cfg, task) -> None:
+    """--generation-gpus M: one engine GPU per trainer rank of the node, single-turn tasks."""
+    import os
+
+    from ..core.config import ConfigError
+
+    if getattr(task, "multi_turn", False):
+        raise ConfigError(f"--generation-gpus with the multi-turn task {cfg.task} (its episodes rescore in place) "
+                          "is not supported; set --generation-gpus 0")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if cfg.generation_gpus != local:
+        raise ConfigError(f"--generation-gpus {cfg.generation_gpus} with {local} trainer rank(s) on this node: each "
+                          f"trainer rank gets one engine GPU, so set --generation-gpus {local}")
 
 
 def _data_position(resumed, task) -> int:
