@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from spirl.core.config import ConfigError, TrainConfig
 
@@ -73,7 +74,7 @@ def test_engine_process_failure_is_one_line(tmp_path):
 
     with pytest.raises(RemoteEngineError, match=r"the engine's process \(on cpu\) failed: building the engine") as e:
         RemoteEngine(EngineProcess(EngineSpec(kind="native", separate_gpus=1), str(tmp_path / "none"), "cpu",
-                                   "float32", "reference"))
+                                   torch.float32))
     assert "\n" not in str(e.value)
 
 

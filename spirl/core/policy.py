@@ -25,11 +25,10 @@ from torchtitan_compat.config import ModelDir
 from . import checkpoint as ckpt
 from .distributed import World, gathered_weight_groups, shard_model
 from .optim import build_adamw
+from .rollout_engine import EOS_IDS, EngineProcess, RemoteEngine, make_engine, own_decoder  # noqa: F401 - EOS_IDS
 from .spec import EngineSpec, PolicySpec
 
 log = logging.getLogger("spirl.core.policy")
-
-from .rollout_engine import EOS_IDS, EngineProcess, RemoteEngine, make_engine  # noqa: F401 - EOS_IDS: its users
 
 
 @dataclass
@@ -142,17 +141,10 @@ def build_engine(engine: EngineSpec, model: ModelDir, policy: Policy | None, wor
     world = world or (policy.world if policy is not None else World())
     if engine.separate_gpus:
         device = _engine_device(world.device, engine.separate_gpus)
-        return RemoteEngine(EngineProcess(engine, str(model.path), device,
-                                          str(policy.compute_dtype).removeprefix("torch."),
-                                          getattr(policy.model.backend, "name", "auto")))
+        return RemoteEngine(EngineProcess(engine, str(model.path), device, policy.compute_dtype))
     decoder = None
-    if engine.kind == "native":
-        decoder = policy.model
-        if policy.fsdp:  # the engine decodes on its own whole copy (weights synced into it)
-            from weights_vllm_compat import load_model
-
-            decoder = load_model(model, device=policy.world.device, dtype=policy.compute_dtype,
-                                 backend="reference").requires_grad_(False)
+    if engine.kind == "native":  # under FSDP2 on its own whole copy (weights synced into it)
+        decoder = own_decoder(model, policy.world.device, policy.compute_dtype) if policy.fsdp else policy.model
     return make_engine(engine, model, decoder, world, **engine_settings)
 
 

@@ -42,10 +42,8 @@ class EngineProcess:
     """The checkpoint directory (its config.json is read again in the engine's process)."""
     device: str
     """The engine's device: `cuda:N` (its own GPU) or `cpu`."""
-    dtype: str
+    dtype: torch.dtype
     """The native engine's compute dtype (the trainer's)."""
-    backend: str
-    """The native engine's kernel backend name (the trainer's, spirl.core.spec.PolicySpec.backend)."""
 
 
 class RemoteEngineError(RuntimeError):
@@ -78,21 +76,21 @@ def make_engine(engine, model, decoder=None, world=None, **engine_settings):
         external_launcher=world is not None and world.sharded, model_args=model.args, **engine_settings))
 
 
+def own_decoder(model, device, dtype: torch.dtype):
+    """A native engine's own frozen copy of the checkpoint's model (plain PyTorch kernels, as the trainer beside a
+    native engine computes), for an engine that cannot decode on the trainer's model (FSDP2 shards, another
+    process); the trainer's weights arrive with the weight sync."""
+    from weights_vllm_compat import load_model
+
+    return load_model(model, device=device, dtype=dtype, backend="reference").requires_grad_(False)
+
+
 def _build(p: EngineProcess):
-    """The engine of the engine's process: a native engine decodes on its own copy of the checkpoint's model (the
-    trainer's weights arrive with the first weight sync)."""
+    """The engine of the engine's process (a native one on its own decoder)."""
     from torchtitan_compat.config import ModelDir
 
     model = ModelDir.read(p.model_dir)
-    decoder = None
-    if p.engine.kind == "native":
-        from weights_vllm_compat import load_model
-
-        from torchtitan_compat import select_backend
-
-        device = torch.device(p.device)
-        decoder = load_model(model, device=device, dtype=getattr(torch, p.dtype),
-                             backend=select_backend(p.backend, device, model.args)).requires_grad_(False)
+    decoder = own_decoder(model, torch.device(p.device), p.dtype) if p.engine.kind == "native" else None
     return make_engine(p.engine, model, decoder)
 
 
@@ -100,7 +98,7 @@ def _serve(conn, p: EngineProcess) -> None:
     """The engine's process: build the engine, then answer calls until `close` (or the trainer goes away)."""
     if p.device.startswith("cuda"):
         os.environ["CUDA_VISIBLE_DEVICES"] = _visible_gpu(torch.device(p.device).index or 0)
-        p = EngineProcess(p.engine, p.model_dir, "cuda:0", p.dtype, p.backend)
+        p = EngineProcess(p.engine, p.model_dir, "cuda:0", p.dtype)
     try:
         engine = _build(p)
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, one line
