@@ -109,6 +109,13 @@ def expert_targets(spec: LoRASpec, args) -> tuple[str, ...]:
     return tuple(t for t in EXPERT_PARAMS if named[t])
 
 
+def linear_targets(spec: LoRASpec, args) -> tuple[str, ...]:
+    """The targets each decoder layer adapts as linear modules (LoRALinear): all but lm_head, and on a Qwen3-MoE
+    whose experts are adapted, all but the MLP ones (the experts take those: `expert_targets`)."""
+    experts = expert_targets(spec, args)
+    return tuple(t for t in spec.targets if t != "lm_head" and not (experts and t in GROUPS["mlp"]))
+
+
 def expert_shapes(args) -> dict[str, tuple[int, int]]:
     """(out, in) of one expert of each adaptable expert parameter of Qwen3-MoE args."""
     d, inter = args.dim, args.moe_inter_dim
@@ -153,10 +160,9 @@ def check_spec(spec: LoRASpec, args) -> None:
 def lora_param_count(spec: LoRASpec, args) -> int:
     """Trainable parameters of `spec` on a model of `args`."""
     shapes = target_shapes(args)
-    experts = expert_targets(spec, args)
-    dense = [t for t in spec.targets if t != "lm_head" and not (experts and t in GROUPS["mlp"])]
-    per_layer = sum(spec.rank * sum(shapes[t]) for t in dense)
-    per_layer += sum(spec.rank * args.moe_args.num_experts * sum(expert_shapes(args)[t]) for t in experts)
+    per_layer = sum(spec.rank * sum(shapes[t]) for t in linear_targets(spec, args))
+    per_layer += sum(spec.rank * args.moe_args.num_experts * sum(expert_shapes(args)[t])
+                     for t in expert_targets(spec, args))
     head = spec.rank * sum(shapes["lm_head"]) if "lm_head" in spec.targets else 0
     return args.n_layers * per_layer + head
 

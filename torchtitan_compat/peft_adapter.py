@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from .config import is_moe, sparse_layers
-from .lora import GROUPS, TARGETS, LoRAError, LoRASpec, check_spec, expert_shapes, expert_targets, target_shapes
+from .lora import (GROUPS, TARGETS, LoRAError, LoRASpec, check_spec, expert_shapes, expert_targets, linear_targets,
+                   target_shapes)
 from .lora_experts import PARAMS as EXPERT_PARAMS
 from .safetensors_io import save_tensors
 
@@ -112,10 +113,15 @@ def param_of_peft_key(key: str, experts: tuple[str, ...] = ()) -> str | None:
     return param_name(target, None if layer is None else int(layer), which)
 
 
+def _names(entry: str, param: str) -> bool:
+    """A `target_parameters` entry names the experts' `param` (PEFT matches the end of `module.param`)."""
+    return entry == param or entry.endswith(f".{param}")
+
+
 def adapted_experts(config: dict) -> tuple[str, ...]:
     """The expert parameters (EXPERT_PARAMS order) an adapter_config.json's `target_parameters` names."""
     named = [str(t) for t in (config.get("target_parameters") or [])]
-    return tuple(p for p in EXPERT_PARAMS if any(t == p or t.endswith(f".{p}") for t in named))
+    return tuple(p for p in EXPERT_PARAMS if any(_names(t, p) for t in named))
 
 
 def expected_params(spec: LoRASpec, args) -> dict[str, tuple[int, int]]:
@@ -124,10 +130,9 @@ def expected_params(spec: LoRASpec, args) -> dict[str, tuple[int, int]]:
     experts = expert_targets(spec, args)
     out = {}
     for i in range(args.n_layers):
-        for t in spec.targets:
-            if t != "lm_head" and not (experts and t in GROUPS["mlp"]):
-                out[param_name(t, i, "A")] = (spec.rank, shapes[t][1])
-                out[param_name(t, i, "B")] = (shapes[t][0], spec.rank)
+        for t in linear_targets(spec, args):
+            out[param_name(t, i, "A")] = (spec.rank, shapes[t][1])
+            out[param_name(t, i, "B")] = (shapes[t][0], spec.rank)
         for t in experts if i in sparse_layers(args) else ():
             (o, n), r = expert_shapes(args)[t], spec.rank * args.moe_args.num_experts
             out[expert_param_name(t, i, "A")] = (r, n)
@@ -252,7 +257,7 @@ def _parameter_targets(d: Path, raw: dict, args) -> tuple[str, ...]:
     if not named:
         return ()
     experts = adapted_experts(raw)
-    unknown = [t for t in named if not any(t == p or t.endswith(f".{p}") for p in experts)]
+    unknown = [t for t in named if not any(_names(t, p) for p in experts)]
     if unknown or not is_moe(args):
         raise _refuse(d, f"target_parameters {unknown or named} are not a Qwen3-MoE's expert parameters "
                          "(mlp.experts.gate_up_proj, mlp.experts.down_proj), which are all SPIRL adapts that way")

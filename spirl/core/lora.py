@@ -136,14 +136,13 @@ def _adapted_keys(spec: LoRASpec, args) -> list[str]:
     """Compat names of the weights that get adapters (whose frozen base must be kept); a Qwen3-MoE's experts
     (`layers.{i}.moe.experts.gate_up_proj`, ...) when the MLP is targeted."""
     from torchtitan_compat.config import sparse_layers
-    from torchtitan_compat.lora import expert_targets, fused_modules
+    from torchtitan_compat.lora import expert_targets, fused_modules, linear_targets
 
-    experts = expert_targets(spec, args)
-    paths = [p for p, blocks in fused_modules(args).items() if any(t in spec.targets for t, _, _ in blocks)
-             and not (experts and p.startswith("feed_forward."))]
-    keys = [f"layers.{i}.{p}.weight" for i in range(args.n_layers) for p in paths if p != "output"]
-    keys += [f"layers.{i}.moe.experts.{t}" for i in sparse_layers(args) for t in experts]
-    return keys + (["output.weight"] if "output" in paths else [])
+    linear = linear_targets(spec, args)
+    paths = [p for p, blocks in fused_modules(args).items() if any(t in linear for t, _, _ in blocks)]
+    keys = [f"layers.{i}.{p}.weight" for i in range(args.n_layers) for p in paths]
+    keys += [f"layers.{i}.moe.experts.{t}" for i in sparse_layers(args) for t in expert_targets(spec, args)]
+    return keys + (["output.weight"] if "lm_head" in spec.targets else [])
 
 
 def build_lora_policy_and_engine(model: ModelDir, spec: PolicySpec, device: torch.device, world):

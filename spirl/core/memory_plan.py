@@ -133,7 +133,8 @@ def tokens_per_microbatch(cfg, max_seq_len: int) -> int:
 def _lora_parts(args, cfg, lora, c: int) -> dict[str, int]:
     """The LoRA run's weights and optimizer items (module docstring)."""
     from torchtitan_compat.config import sparse_layers
-    from torchtitan_compat.lora import expert_shapes, expert_targets, fused_modules, lora_param_count, target_shapes
+    from torchtitan_compat.lora import (expert_shapes, expert_targets, fused_modules, linear_targets, lora_param_count,
+                                        target_shapes)
 
     n = lora_param_count(lora, args)
     shapes = target_shapes(args)
@@ -141,10 +142,9 @@ def _lora_parts(args, cfg, lora, c: int) -> dict[str, int]:
     sizes = {t: args.moe_args.num_experts * o * i for t, (o, i) in expert_shapes(args).items()} if experts else {}
     adapted = sum(sizes[t] for t in experts) * len(sparse_layers(args))
     biggest = max([0] + [sizes[t] for t in experts])
+    modules = linear_targets(lora, args) + (("lm_head",) if "lm_head" in lora.targets else ())
     for path, blocks in fused_modules(args).items():
-        if experts and path.startswith("feed_forward."):
-            continue  # every layer is sparse (lora.check_spec): the experts above
-        if any(t in lora.targets for t, _, _ in blocks):  # the base keeps the whole fused matrix
+        if any(t in modules for t, _, _ in blocks):  # the base keeps the whole fused matrix
             in_features = shapes[blocks[0][0]][1]
             adapted += sum(rows for _, _, rows in blocks) * in_features * (1 if path == "output" else args.n_layers)
             biggest = max([biggest] + [rows * in_features for t, _, rows in blocks if t in lora.targets])
@@ -399,36 +399,29 @@ def host_estimate(args, cfg, local_ranks: int = 1, lora=None, shards: int = 0) -
     if lora is not None:
         from torchtitan_compat.lora import lora_param_count
 
-        pinned, raw = _pinned_base(args, lora, c) if cfg.lora_base == "host" else (0, 0)
+        from weights_vllm_compat import expected_compat_shapes
+
+        shapes = expected_compat_shapes(args)
+        pinned, raw = _pinned_base(shapes, args, lora, c) if cfg.lora_base == "host" else (0, 0)
         parts["pinned frozen base"] = local_ranks * pinned
-        # the reading rank's own base is pinned out of what it read: its peak beyond that base
-        parts["reading the checkpoint"] = max(c * (p + _largest_tensor(args)) - raw, 16 * lora_param_count(lora, args))
+        # the reading rank's own base is pinned out of what it read: its peak beyond that base, plus the largest
+        # tensor being built
+        largest = max(math.prod(s) for s in shapes.values())
+        parts["reading the checkpoint"] = max(c * (p + largest) - raw, 16 * lora_param_count(lora, args))
     else:
         load = local_ranks * (2 * c * p + 4 * p) if shards else 2 * c * p
         parts["reading the checkpoint"] = max(load, 12 * p)
     return MemoryEstimate(parts, 0, 0)
 
 
-def _pinned_base(args, lora, c: int) -> tuple[int, int]:
+def _pinned_base(shapes: dict, args, lora, c: int) -> tuple[int, int]:
     """(host bytes of one rank's frozen base pinned by spirl.core.pinned.PinnedPool, tensor by tensor in the order
-    spirl.core.lora pins them; the bytes of those tensors)."""
-    from weights_vllm_compat import expected_compat_shapes
-
+    spirl.core.lora pins them; the bytes of those tensors). `shapes`: the checkpoint's, in the fused layout."""
     from .lora import _adapted_keys
     from .pinned import footprint
 
-    shapes = expected_compat_shapes(args)
     sizes = [c * math.prod(shapes.get(k, shapes["tok_embeddings.weight"])) for k in _adapted_keys(lora, args)]
     return footprint(sizes), sum(sizes)
-
-
-def _largest_tensor(args) -> int:
-    """Elements of the checkpoint's largest tensor in the fused layout (the embedding, or a layer's stacked
-    experts)."""
-    from torchtitan_compat.config import is_moe
-
-    experts = args.moe_args.num_experts * 2 * args.moe_inter_dim * args.dim if is_moe(args) else 0
-    return max(args.vocab_size * args.dim, experts)
 
 
 def check_host(args, cfg, host_total_bytes: int, local_ranks: int = 1, lora=None, shards: int = 0) -> MemoryEstimate:
