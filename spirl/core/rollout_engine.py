@@ -12,8 +12,12 @@ GPU (the overlap one GPU cannot give, docs/async-grpo.md), and the weight sync a
 trainer's exact weights, which the engine loads before its next call. What is sampled depends on those weights,
 the requests and their seeds, never on timing: a run is the colocated run, bit for bit (tests/test_remote_engine.py).
 
-Transport: Python's multiprocessing (spawn) pipe, with torch's tensor pickling; the weights travel as host copies
-(shared memory), the samples' logprobs and routes come back the same way.
+Transport: calls and their answers (the samples' logprobs and routes) over Python's multiprocessing (spawn) pipe,
+with torch's tensor pickling. The weights go GPU to GPU: trainer and engine process form a two-rank process group
+of their own (NCCL; gloo between CPU processes), built beside any the trainer's ranks have (torchrun's world is not
+touched); `load_weights` sends the tensors' names, shapes and dtypes over the pipe and the tensors over the group,
+and the engine loads them a chunk of at most WEIGHT_CHUNK_BYTES at a time, so its GPU holds one chunk beyond its
+weights.
 """
 
 from __future__ import annotations
@@ -21,15 +25,23 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import torch
 
 log = logging.getLogger("spirl.core.rollout_engine")
 
-METHODS = ("generate", "sample", "load_weights", "greedy")
-"""The engine calls forwarded to the engine's process."""
+METHODS = ("generate", "sample", "greedy")
+"""The engine calls forwarded to the engine's process as they are (load_weights sends its tensors over the group)."""
+
+WEIGHT_CHUNK_BYTES = 1 << 30
+"""The weight sync's chunk: the engine receives and loads at most this much at a time (one tensor if larger)."""
+
+GROUP_TIMEOUT = timedelta(minutes=30)
+"""How long either side of the weight group waits for the other (a weight sync, the group's set-up)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,8 @@ class EngineProcess:
     """The engine's device: `cuda:N` (its own GPU) or `cpu`."""
     dtype: torch.dtype
     """The native engine's compute dtype (the trainer's)."""
+    group_port: int = 0
+    """The port of the weight group's store, on this host (the trainer's process holds it)."""
 
 
 class RemoteEngineError(RuntimeError):
@@ -85,6 +99,47 @@ def own_decoder(model, device, dtype: torch.dtype):
     return load_model(model, device=device, dtype=dtype, backend="reference").requires_grad_(False)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _weight_group(port: int, rank: int, device: str):
+    """The two-rank process group of the trainer (rank 0, which holds the store) and its engine (rank 1): NCCL
+    between GPUs, gloo between CPU processes. Built on its own store, so it is not torchrun's world."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, GROUP_TIMEOUT, wait_for_workers=False)
+    if device.startswith("cuda"):
+        return store, dist.ProcessGroupNCCL(store, rank, 2)
+    return store, dist.ProcessGroupGloo(store, rank, 2, GROUP_TIMEOUT)
+
+
+def _chunks(named_tensors, limit: int = WEIGHT_CHUNK_BYTES) -> list[list[tuple[str, torch.Tensor]]]:
+    """(name, tensor) pairs in order, cut into runs of at most `limit` bytes (a larger tensor alone)."""
+    chunks, size = [[]], 0
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if chunks[-1] and size + n > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append((name, t.detach().contiguous()))
+        size += n
+    return [c for c in chunks if c]
+
+
+def _receive_weights(engine, group, device: str, layout) -> float:
+    """The engine's side of load_weights: each chunk received over the group, then loaded; seconds loading."""
+    seconds = 0.0
+    for chunk in layout:
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in chunk]
+        for t in tensors:
+            group.recv([t], 0, 0).wait()
+        seconds += engine.load_weights(zip([name for name, _, _ in chunk], tensors)) or 0.0
+    return seconds
+
+
 def _build(p: EngineProcess):
     """The engine of the engine's process (a native one on its own decoder)."""
     from torchtitan_compat.config import ModelDir
@@ -106,6 +161,7 @@ def _serve(conn, p: EngineProcess) -> None:
         return
     budget = getattr(engine, "prefill_budget", None)  # vLLM's token budget, for the precompile's warm-up
     conn.send(("ok", None if budget is None else budget()))
+    _store, group = _weight_group(p.group_port, 1, p.device)  # the trainer builds its side on this answer
     while True:
         try:
             method, args, kwargs = conn.recv()
@@ -113,9 +169,13 @@ def _serve(conn, p: EngineProcess) -> None:
             break
         if method == "close":
             engine.close()
+            group.shutdown()
             conn.send(("ok", None))
             break
         try:
+            if method == "load_weights":
+                conn.send(("ok", _receive_weights(engine, group, p.device, *args)))
+                continue
             conn.send(("ok", getattr(engine, method)(*args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - reported to the trainer, one line
             conn.send(("error", f"{method}: {type(e).__name__}: {e}"))
@@ -133,6 +193,7 @@ class RemoteEngine:
         import torch.multiprocessing  # noqa: F401 - registers torch's tensor pickling with multiprocessing's
 
         ctx = multiprocessing.get_context("spawn")
+        process = replace(process, group_port=_free_port())
         self._conn, child = ctx.Pipe()
         self._lock = threading.Lock()
         self.device = process.device
@@ -143,6 +204,7 @@ class RemoteEngine:
         child.close()
         atexit.register(self.close)  # runs before multiprocessing joins its children at exit (atexit is LIFO)
         self._budget = self._answer("starting the engine's process")
+        self._store, self._group = _weight_group(process.group_port, 0, process.device)
         log.info("rollout engine (%s) in a process of its own on %s (pid %d)", process.engine.kind, process.device,
                  self._proc.pid)
 
@@ -170,8 +232,15 @@ class RemoteEngine:
         raise AttributeError(name)
 
     def load_weights(self, named_tensors) -> float:
-        """Send (name, tensor) pairs: host copies, whatever device the trainer's tensors are on."""
-        return self._call("load_weights", [(k, v.detach().to("cpu", copy=True)) for k, v in named_tensors])
+        """Send (name, tensor) pairs (on the trainer's device) to the engine, which loads them; its seconds
+        loading. The layout goes over the pipe, the tensors over the weight group (module docstring)."""
+        chunks = _chunks(named_tensors)
+        layout = [[(name, tuple(t.shape), t.dtype) for name, t in chunk] for chunk in chunks]
+        with self._lock:
+            self._conn.send(("load_weights", (layout,), {}))
+            for work in [self._group.send([t], 1, 0) for chunk in chunks for _, t in chunk]:
+                work.wait()
+            return self._answer("load_weights")
 
     def close(self) -> None:
         """Stop the engine's process (it closes its engine first)."""
@@ -182,6 +251,8 @@ class RemoteEngine:
             self._call("close")
         except (RemoteEngineError, OSError, BrokenPipeError):
             pass
+        if "_group" in self.__dict__:
+            self._group.shutdown()
         self._proc.join(timeout=60)
         if self._proc.is_alive():
             self._proc.terminate()
