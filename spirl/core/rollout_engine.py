@@ -58,16 +58,20 @@ class EngineProcess:
     """The native engine's compute dtype (the trainer's)."""
     group_port: int = 0
     """The port of the weight group's store, on this host (the trainer's process holds it)."""
+    visible: str = ""
+    """The engine's process's CUDA_VISIBLE_DEVICES (its GPU first), set by the trainer's process."""
 
 
 class RemoteEngineError(RuntimeError):
     """The engine's process failed or died; one line saying which call and why."""
 
 
-def _visible_gpu(index: int) -> str:
-    """The CUDA_VISIBLE_DEVICES entry of visible GPU `index` (the engine's process then sees only that GPU)."""
+def _engine_first(index: int) -> str:
+    """CUDA_VISIBLE_DEVICES for the engine's process: the trainer's visible GPU `index` first (the engine's
+    cuda:0, where vLLM runs), the others after it, so that NCCL sees the trainer's GPU too."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible.split(",")[index].strip() if visible else str(index)
+    entries = [e.strip() for e in visible.split(",")] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return ",".join([entries[index]] + entries[:index] + entries[index + 1:])
 
 
 EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|> (Qwen3's generation_config eos_token_id)
@@ -107,7 +111,12 @@ def _free_port() -> int:
 
 def _weight_group(port: int, rank: int, device: str):
     """The two-rank process group of the trainer (rank 0, which holds the store) and its engine (rank 1): NCCL
-    between GPUs, gloo between CPU processes. Built on its own store, so it is not torchrun's world."""
+    between GPUs, gloo between CPU processes. Built on its own store, so it is not torchrun's world.
+
+    Its first send (one element) is made when the engine's process starts, before vLLM is imported there: vLLM's
+    batch-invariant mode sets NCCL's environment for its own collectives (one channel, NCCL_PROTO and the like),
+    a communicator takes NCCL's environment when it is set up, and two ranks set up with different settings hang on their first transfer (seen
+    on two H200s: 32 channels in the trainer's process, 1 in the engine's)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, GROUP_TIMEOUT, wait_for_workers=False)
@@ -152,8 +161,11 @@ def _build(p: EngineProcess):
 def _serve(conn, p: EngineProcess) -> None:
     """The engine's process: build the engine, then answer calls until `close` (or the trainer goes away)."""
     if p.device.startswith("cuda"):
-        os.environ["CUDA_VISIBLE_DEVICES"] = _visible_gpu(torch.device(p.device).index or 0)
-        p = EngineProcess(p.engine, p.model_dir, "cuda:0", p.dtype)
+        os.environ["CUDA_VISIBLE_DEVICES"] = p.visible
+        p = replace(p, device="cuda:0")
+    conn.send(("joining", None))
+    _store, group = _weight_group(p.group_port, 1, p.device)
+    group.recv([torch.zeros(1, device=p.device)], 0, 0).wait()  # NCCL set up now, before vLLM sets its NCCL env
     try:
         engine = _build(p)
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, one line
@@ -161,7 +173,6 @@ def _serve(conn, p: EngineProcess) -> None:
         return
     budget = getattr(engine, "prefill_budget", None)  # vLLM's token budget, for the precompile's warm-up
     conn.send(("ok", None if budget is None else budget()))
-    _store, group = _weight_group(p.group_port, 1, p.device)  # the trainer builds its side on this answer
     while True:
         try:
             method, args, kwargs = conn.recv()
@@ -193,7 +204,8 @@ class RemoteEngine:
         import torch.multiprocessing  # noqa: F401 - registers torch's tensor pickling with multiprocessing's
 
         ctx = multiprocessing.get_context("spawn")
-        process = replace(process, group_port=_free_port())
+        process = replace(process, group_port=_free_port(), visible=_engine_first(torch.device(process.device).index)
+                          if process.device.startswith("cuda") else "")
         self._conn, child = ctx.Pipe()
         self._lock = threading.Lock()
         self.device = process.device
@@ -203,8 +215,11 @@ class RemoteEngine:
         self._proc.start()
         child.close()
         atexit.register(self.close)  # runs before multiprocessing joins its children at exit (atexit is LIFO)
-        self._budget = self._answer("starting the engine's process")
+        self._answer("starting the engine's process")  # "joining": its side of the weight group comes next
         self._store, self._group = _weight_group(process.group_port, 0, process.device)
+        here = torch.device("cuda", torch.cuda.current_device()) if process.device.startswith("cuda") else "cpu"
+        self._group.send([torch.zeros(1, device=here)], 1, 0).wait()
+        self._budget = self._answer("starting the engine")
         log.info("rollout engine (%s) in a process of its own on %s (pid %d)", process.engine.kind, process.device,
                  self._proc.pid)
 
