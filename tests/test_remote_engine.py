@@ -92,3 +92,27 @@ def test_two_gloo_ranks_each_with_an_engine_process(tmp_path):
     tensors = [{k: v for k, v in _hashes(tmp_path / "ck" / n / last).items() if k.endswith(".safetensors")}
                for n in ("here", "there")]  # state.json holds each run's own config
     assert tensors[0] and tensors[0] == tensors[1]
+
+
+def test_weight_chunks_keep_order_and_limit():
+    """The weight sync's chunks: every tensor once, in order, at most `limit` bytes a chunk (a larger tensor alone)."""
+    from spirl.core.rollout_engine import _chunks
+
+    tensors = [(f"w{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 1, 40])]  # float32: 4 bytes each
+    chunks = _chunks(tensors, limit=100)
+    assert [[name for name, _ in c] for c in chunks] == [["w0", "w1"], ["w2"], ["w3", "w4"], ["w5"]]
+    assert all(sum(t.numel() * 4 for _, t in c) <= 100 or len(c) == 1 for c in chunks)
+    assert [[name for name, _ in c] for c in _chunks(tensors, limit=1)] == [[n] for n, _ in tensors]
+
+
+@pytest.mark.parametrize("visible, index, expected", [("4,5,6,7", 2, "6,4,5,7"), ("3,1", 1, "1,3"), (None, 1, "1,0")])
+def test_engine_process_sees_its_gpu_first(monkeypatch, visible, index, expected):
+    """The engine's process: its GPU is its cuda:0 (where vLLM runs), the trainer's GPUs stay visible after it."""
+    from spirl.core import rollout_engine
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert rollout_engine._engine_first(index) == expected

@@ -141,7 +141,12 @@ def build_engine(engine: EngineSpec, model: ModelDir, policy: Policy | None, wor
     world = world or (policy.world if policy is not None else World())
     if engine.separate_gpus:
         device = _engine_device(world.device, engine.separate_gpus)
-        return RemoteEngine(EngineProcess(engine, str(model.path), device, policy.compute_dtype))
+        remote = RemoteEngine(EngineProcess(engine, str(model.path), device, policy.compute_dtype))
+        if engine.kind == "vllm":  # this process computes as if it held the engine (after the weight group's set-up)
+            from ..engines.vllm_engine import process_wide_settings
+
+            process_wide_settings()
+        return remote
     decoder = None
     if engine.kind == "native":  # under FSDP2 on its own whole copy (weights synced into it)
         decoder = own_decoder(model, policy.world.device, policy.compute_dtype) if policy.fsdp else policy.model

@@ -183,6 +183,20 @@ def prepare_environment(require_batch_invariant: bool = True) -> None:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
+def process_wide_settings(require_batch_invariant: bool = True) -> None:
+    """What building a VLLMEngine sets for its whole process, without building one: the environment, SPIRL's
+    vLLM patches, and vLLM's batch-invariant mode (its aten overrides of softmax, log_softmax, mean and bmm, cuBLAS
+    without split-k or reduced-precision reductions, TF32 off: `init_batch_invariance`, which vLLM's worker calls
+    when it starts). A trainer whose engine runs in a process of its own (--generation-gpus) calls it where a
+    colocated engine would be built, so that its own ops compute as a colocated trainer's do: without it, the
+    update of step 1 differed from the colocated run's (weight change 7e-8 relative, same samples, two H200s)."""
+    prepare_environment(require_batch_invariant)
+    vllm_patches.apply()
+    from vllm.model_executor.layers.batch_invariant import init_batch_invariance
+
+    init_batch_invariance()
+
+
 class VLLMEngine:
     seeds_children: bool = True
     """vLLM runs a request of n samples and seed s as n requests of one sample and seeds s, s+1, ...

@@ -1,6 +1,8 @@
 """--generation-gpus 1 on two GPUs: the vLLM engine in a process of its own on the second GPU gives the colocated
 run bit for bit (every scalar but times, memory and the Triton builds counted in the trainer's process, the last
-checkpoint's files), with --off-policy-steps 1.
+checkpoint's files), with --off-policy-steps 1: the weights reach the engine over NCCL exactly, and the trainer's
+process, which then builds no engine, still computes as a colocated trainer does (vLLM's process-wide
+batch-invariant settings, spirl.engines.vllm_engine.process_wide_settings).
 Needs two visible GPUs of one kind (the engine's kernels give the trainer's bits only on the same GPU model)."""
 
 from __future__ import annotations
