@@ -4,13 +4,18 @@
     VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --model random:Qwen3-1.7B --k 1 \\
         --steps 6 --prompts-per-step 6 --group-size 8 --max-new-tokens 768 --repeat 1 -- --lr 1e-6
 
-Runs simple_rl.py (one process, this machine's GPU) with --off-policy-steps 0, then K (and K once more with
---repeat 1; and K with --generation-gpus 1, the engine on a second GPU, with --split 1): the same model, seed and
-shape, no checkpoints but the last. Prints compare/phase_table.py's
-per-phase medians of steps 2.. side by side (with K > 0, `rollout` is the engine's time beside the trainer and
-`rollout_wait` what the trainer waited for it), the step-time ratio K over 0 (< 1: faster) and the throughput
-gain (its inverse), parity totals, the offpolicy/* means, and whether the repeat equals the first K run in every
-scalar but times and memory. Exit status 1 if a run failed, a token differed or the repeat differed.
+    VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --ranks 1,2 --split 1 --repeat 0  # 2 GPUs
+    VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --model DIR --ranks 2 --split 2    # 4 GPUs
+
+For each R of --ranks: simple_rl.py on R trainer ranks (R = 1: one process; else torchrun, FSDP2, each rank's engine
+beside it) with --off-policy-steps 0, then K (for the first R, K once more with --repeat 1); and for each R of
+--split, K with --generation-gpus R (each rank's engine on a GPU of its own: 2R GPUs). The same model, seed and
+shape, no checkpoints but the last. Prints compare/phase_table.py's per-phase medians of steps 2.. side by side
+(with K > 0, `rollout` is the engine's time beside the trainer and `rollout_wait` what the trainer waited for it),
+each K run's throughput against the synchronous run on as many trainer ranks and against the first synchronous
+run, parity totals, the offpolicy/* means, and whether the repeat and each split run equal their colocated K run
+in every scalar but times and memory. Exit status 1 if a run failed, a token differed or a run that should equal
+another did not.
 Arguments after `--` go to every run.
 """
 
@@ -42,20 +47,30 @@ def _args(argv):
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=768)
     p.add_argument("--repeat", type=int, default=1, help="1 = run K twice and compare every scalar")
-    p.add_argument("--split", type=int, default=0,
-                   help="1 = also run K with --generation-gpus 1 (the engine on the next GPU): its step time against "
-                        "the synchronous run's, and every scalar but times against the colocated K run's")
+    p.add_argument("--split", default="0",
+                   help="comma-separated trainer rank counts R (of --ranks) whose K run is also made with "
+                        "--generation-gpus R (engines on GPUs of their own, 2R GPUs); 0: none")
+    p.add_argument("--ranks", default="1", help="comma-separated trainer rank counts, each run as above (R > 1: torchrun)")
     p.add_argument("--skip", type=int, default=1, help="steps left out of the medians (compiles)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="-- then flags for every simple_rl.py run")
     a = p.parse_args(argv)
     a.rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+    try:
+        a.ranks = [int(r) for r in a.ranks.split(",")]
+        a.split = [int(r) for r in a.split.split(",") if int(r)]
+    except ValueError:
+        p.error("--ranks and --split take rank counts separated by commas, e.g. 1,2")
+    if not a.ranks or min(a.ranks) < 1 or not set(a.split) <= set(a.ranks):
+        p.error(f"--ranks {a.ranks} and --split {a.split}: rank counts >= 1, and --split's among --ranks'")
     return a
 
 
-def run_one(a, name: str, k: int, *extra: str) -> Path:
-    """simple_rl.py into <out>/runs/<name>; its metrics.jsonl."""
+def run_one(a, name: str, k: int, ranks: int, *extra: str) -> Path:
+    """simple_rl.py on `ranks` trainer ranks into <out>/runs/<name>; its metrics.jsonl."""
     out = Path(a.out)
-    cmd = [sys.executable, str(REPO / "simple_rl.py"), "--model", a.model, "--steps", str(a.steps),
+    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc-per-node={ranks}"]
+    cmd = [*launch, str(REPO / "simple_rl.py"), "--model", a.model, "--steps", str(a.steps),
            "--prompts-per-step", str(a.prompts_per_step), "--group-size", str(a.group_size),
            "--max-new-tokens", str(a.max_new_tokens), "--off-policy-steps", str(k), "--checkpoint-every", "0",
            "--out-dir", str(out / "runs"), "--checkpoint-dir", str(out / "ck"), "--run-name", name, *a.rest, *extra]
@@ -76,37 +91,53 @@ def _deterministic(steps: dict[int, dict]) -> list[dict]:
             for s in sorted(steps)]
 
 
+def _runs(a) -> list[tuple[str, int, int, tuple[str, ...]]]:
+    """(name, K, trainer ranks, extra flags) of every run, in order; names as before for one rank, `-xR` for R."""
+    runs = []
+    for i, r in enumerate(a.ranks):
+        tag = "" if r == 1 else f"-x{r}"
+        runs += [(f"sync{tag}", 0, r, ()), (f"k{a.k}{tag}", a.k, r, ())]
+        if a.repeat and i == 0:
+            runs.append((f"k{a.k}-again{tag}", a.k, r, ()))
+        if r in a.split:
+            runs.append((f"k{a.k}-split{tag}", a.k, r, ("--generation-gpus", str(r))))
+    return runs
+
+
+def _same(steps: dict, x: str, y: str) -> bool:
+    return _deterministic(steps[x]) == _deterministic(steps[y])
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    names = ["sync", f"k{a.k}"] + ([f"k{a.k}-again"] if a.repeat else []) + ([f"k{a.k}-split"] if a.split else [])
-    steps = {n: read_steps(run_one(a, n, 0 if n == "sync" else a.k,
-                                   *(["--generation-gpus", "1"] if n.endswith("-split") else [])))
-             for n in names}
-    sums = [summarize(steps[n], a.skip) for n in names]
-    print(table(names, sums))
-    sync, k = sums[0]["median"]["step"], sums[1]["median"]["step"]
-    print(f"step time K={a.k} / K=0: {k / sync:.3f} (median of steps {sums[1]['steps'][0]}..; throughput "
-          f"x{sync / k:.2f})")
+    runs = _runs(a)
+    steps = {n: read_steps(run_one(a, n, k, r, *extra)) for n, k, r, extra in runs}
+    names = [n for n, *_ in runs]
+    sums = dict(zip(names, (summarize(steps[n], a.skip) for n in names)))
+    print(table(names, list(sums.values())))
+    step = {n: sums[n]["median"]["step"] for n in names}
+    base = names[0]  # the synchronous run on the first rank count
+    out, bad = {}, any(s["different"] for s in sums.values())
+    for n, k, r, extra in runs:
+        if k:
+            sync = f"sync{'' if r == 1 else f'-x{r}'}"
+            where = f"{r} trainer rank(s)" + (f" + {r} engine GPU(s)" if extra else "")
+            also = "" if sync == base else f"; against {base}: x{step[base] / step[n]:.2f}"
+            print(f"{n} ({where}): step {step[n]:.3f} s; against {sync}: x{step[sync] / step[n]:.2f} throughput{also}")
+            out[n] = step[n]
+        if "-again" in n or "-split" in n:
+            twin = n.replace("-again", "").replace("-split", "")
+            same = _same(steps, twin, n)
+            print(f"{n}: {'identical to' if same else 'DIFFERENT from'} {twin} in every scalar but times")
+            bad = bad or not same
+    first_k = f"k{a.k}{'' if a.ranks[0] == 1 else f'-x{a.ranks[0]}'}"
     for key in ("offpolicy/staleness", "offpolicy/ratio_mean", "offpolicy/ratio_std", "offpolicy/ratio_clipped_frac"):
-        vals = [r[key] for r in steps[names[1]].values() if key in r]
+        vals = [row[key] for row in steps[first_k].values() if key in row]
         if vals:
-            print(f"{key}: mean {statistics.fmean(vals):.4f} over {len(vals)} steps")
-    bad = any(s["different"] for s in sums)
-    if a.repeat:
-        same = _deterministic(steps[names[1]]) == _deterministic(steps[names[2]])
-        print(f"repeat of K={a.k}: {'identical' if same else 'DIFFERENT'} in every scalar but times "
-              f"({len(steps[names[1]])} steps)")
-        bad = bad or not same
-    out = {"ratio": k / sync, "sync_step_s": sync, "k_step_s": k}
-    if a.split:
-        split = sums[-1]["median"]["step"]
-        same = _deterministic(steps[names[1]]) == _deterministic(steps[names[-1]])
-        print(f"step time K={a.k} with the engine on its own GPU / K=0: {split / sync:.3f} (throughput "
-              f"x{sync / split:.2f}); its scalars {'identical to' if same else 'DIFFERENT from'} the colocated run's")
-        out.update(split_ratio=split / sync, split_step_s=split)
-        bad = bad or not same
-    print(json.dumps(out))
+            print(f"{key}: mean {statistics.fmean(vals):.4f} over {len(vals)} steps ({first_k})")
+    print(json.dumps({"step_s": {n: step[n] for n in names}, "ratio_to_" + base: {n: v / step[base]
+                                                                               for n, v in out.items()}}))
     return 1 if bad else 0
 
 

@@ -1,0 +1,38 @@
+"""compare/offpolicy_bench.py on the CPU (tiny model, native engine, gloo), so that its logic is tested before GPUs
+run it: one trainer process and two torchrun ranks, each K run repeated or split off to engine processes of its
+own, every equality it checks holding (exit 0). Its timings mean nothing on a CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_one_and_two_ranks_with_split_runs(tmp_path):
+    cmd = [sys.executable, "-m", "compare.offpolicy_bench", "--out", str(tmp_path), "--model", "random:tiny",
+           "--ranks", "1,2", "--split", "2", "--repeat", "1", "--steps", "3", "--prompts-per-step", "2",
+           "--group-size", "4", "--max-new-tokens", "4", "--", "--engine", "native", "--device", "cpu", "--dtype",
+           "float32", "--task", "synthetic"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "k1-again: identical to k1 in every scalar but times" in lines
+    assert "k1-split-x2: identical to k1-x2 in every scalar but times" in lines
+    steps = json.loads(lines[-1])["step_s"]
+    assert list(steps) == ["sync", "k1", "k1-again", "sync-x2", "k1-x2", "k1-split-x2"]
+
+
+def test_bad_rank_lists_are_one_line_errors():
+    for args, word in ((["--ranks", "1,x"], "comma"), (["--ranks", "1", "--split", "2"], "--split's among")):
+        proc = subprocess.run([sys.executable, "-m", "compare.offpolicy_bench", "--out", "/tmp/unused", *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and word in proc.stderr.strip().splitlines()[-1], proc.stderr
