@@ -214,3 +214,21 @@ def test_host_memory_plan_counts_every_rank_of_the_host():
     full = mp.host_estimate(args_of("Qwen3-8B"), TrainConfig(), local_ranks=4, shards=4)
     assert full.parts["reading the checkpoint"] == 4 * 8 * p8  # bf16 file + fused layout + fp32 model, per rank
     assert mp.host_estimate(args_of("Qwen3-8B"), TrainConfig()).parts["reading the checkpoint"] == 12 * p8  # a gather
+
+
+def test_too_big_for_one_trainer_gpu_names_the_ranks_that_fit():
+    """Qwen3-8B full fine-tuning with its engine on a GPU of its own does not fit one H200's trainer: the error
+    names the trainer ranks whose shards fit (and the engine GPUs they take), not LoRA, which such runs refuse."""
+    a = args_of("Qwen3-8B")
+    cfg = TrainConfig(generation_gpus=1, off_policy_steps=1, prompts_per_step=6, group_size=8, max_new_tokens=768)
+    with pytest.raises(UserError) as e:
+        mp.check(a, cfg, int(139.8 * GIB), "cuda:0 (H200)", max_seq_len=1024)
+    msg = str(e.value)
+    assert "\n" not in msg and "alone do not fit" in msg
+    assert "shard it over 2 trainer ranks (torchrun --nproc-per-node 2 with --generation-gpus 2: 4 GPUs)" in msg
+    assert "--lora-rank" not in msg
+    assert mp.estimate(a, cfg, int(139.8 * GIB), max_seq_len=1024, shards=2).fits  # what the message promises
+    colocated = TrainConfig(prompts_per_step=6, group_size=8, max_new_tokens=768)
+    with pytest.raises(UserError) as e:
+        mp.check(a, colocated, int(139.8 * GIB), "cuda:0 (H200)", max_seq_len=1024)
+    assert re.search(r"shard it over \d+ trainer ranks \(torchrun --nproc-per-node \d+\), or train LoRA", str(e.value))

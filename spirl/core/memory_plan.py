@@ -372,9 +372,26 @@ def check(args, cfg, gpu_total_bytes: int, gpu_name: str = "the GPU", **kw) -> M
     together = _together(args, cfg, gpu_total_bytes, **kw)
     if together:
         raise UserError(f"{head}: no single flag is enough; together: {', '.join(together)}", EXIT_MEMORY)
-    alternative = "" if lora else ", or train LoRA (--lora-rank)"
+    others = []
+    ranks = _ranks_that_fit(args, cfg, gpu_total_bytes, **kw)
+    if ranks:
+        engines = getattr(cfg, "generation_gpus", 0)
+        others.append(f"shard it over {ranks} trainer ranks (torchrun --nproc-per-node {ranks}"
+                      + (f" with --generation-gpus {ranks}: {2 * ranks} GPUs)" if engines else ")"))
+    if not lora and not getattr(cfg, "generation_gpus", 0):  # LoRA is refused with engines on GPUs of their own
+        others.append("train LoRA (--lora-rank)")
     raise UserError(f"{head}: the weights and optimizer state alone do not fit; use a GPU with more memory or a "
-                    f"smaller model{alternative}", EXIT_MEMORY)
+                    f"smaller model{''.join(', or ' + o for o in others)}", EXIT_MEMORY)
+
+
+def _ranks_that_fit(args, cfg, gpu_total: int, most: int = 64, **kw) -> int:
+    """The fewest trainer ranks (a power of two above this run's, up to `most`) whose FSDP2 shards fit; 0: none."""
+    ranks = max(2, 2 * kw.get("shards", 0))
+    while ranks <= most:
+        if estimate(args, cfg, gpu_total, **{**kw, "shards": ranks}).fits:
+            return ranks
+        ranks *= 2
+    return 0
 
 
 # -- host memory ------------------------------------------------------------------------------------------
