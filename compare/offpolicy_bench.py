@@ -50,7 +50,8 @@ def _args(argv):
     p.add_argument("--split", default="0",
                    help="comma-separated trainer rank counts R (of --ranks) whose K run is also made with "
                         "--generation-gpus R (engines on GPUs of their own, 2R GPUs); 0: none")
-    p.add_argument("--ranks", default="1", help="comma-separated trainer rank counts, each run as above (R > 1: torchrun)")
+    p.add_argument("--ranks", default="1",
+                   help="comma-separated trainer rank counts, each run as above (R > 1: torchrun)")
     p.add_argument("--skip", type=int, default=1, help="steps left out of the medians (compiles)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="-- then flags for every simple_rl.py run")
     a = p.parse_args(argv)
@@ -91,11 +92,16 @@ def _deterministic(steps: dict[int, dict]) -> list[dict]:
             for s in sorted(steps)]
 
 
+def _tag(ranks: int) -> str:
+    """The run names' suffix for a rank count: none for one, `-xR` for R."""
+    return "" if ranks == 1 else f"-x{ranks}"
+
+
 def _runs(a) -> list[tuple[str, int, int, tuple[str, ...]]]:
-    """(name, K, trainer ranks, extra flags) of every run, in order; names as before for one rank, `-xR` for R."""
+    """(name, K, trainer ranks, extra flags) of every run, in order (names suffixed by _tag)."""
     runs = []
     for i, r in enumerate(a.ranks):
-        tag = "" if r == 1 else f"-x{r}"
+        tag = _tag(r)
         runs += [(f"sync{tag}", 0, r, ()), (f"k{a.k}{tag}", a.k, r, ())]
         if a.repeat and i == 0:
             runs.append((f"k{a.k}-again{tag}", a.k, r, ()))
@@ -121,7 +127,7 @@ def main(argv=None) -> int:
     out, bad = {}, any(s["different"] for s in sums.values())
     for n, k, r, extra in runs:
         if k:
-            sync = f"sync{'' if r == 1 else f'-x{r}'}"
+            sync = f"sync{_tag(r)}"
             where = f"{r} trainer rank(s)" + (f" + {r} engine GPU(s)" if extra else "")
             also = "" if sync == base else f"; against {base}: x{step[base] / step[n]:.2f}"
             print(f"{n} ({where}): step {step[n]:.3f} s; against {sync}: x{step[sync] / step[n]:.2f} throughput{also}")
@@ -131,7 +137,7 @@ def main(argv=None) -> int:
             same = _same(steps, twin, n)
             print(f"{n}: {'identical to' if same else 'DIFFERENT from'} {twin} in every scalar but times")
             bad = bad or not same
-    first_k = f"k{a.k}{'' if a.ranks[0] == 1 else f'-x{a.ranks[0]}'}"
+    first_k = f"k{a.k}{_tag(a.ranks[0])}"
     for key in ("offpolicy/staleness", "offpolicy/ratio_mean", "offpolicy/ratio_std", "offpolicy/ratio_clipped_frac"):
         vals = [row[key] for row in steps[first_k].values() if key in row]
         if vals:

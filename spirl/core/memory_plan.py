@@ -372,13 +372,12 @@ def check(args, cfg, gpu_total_bytes: int, gpu_name: str = "the GPU", **kw) -> M
     together = _together(args, cfg, gpu_total_bytes, **kw)
     if together:
         raise UserError(f"{head}: no single flag is enough; together: {', '.join(together)}", EXIT_MEMORY)
-    others = []
+    others, engines = [], getattr(cfg, "generation_gpus", 0)
     ranks = _ranks_that_fit(args, cfg, gpu_total_bytes, **kw)
     if ranks:
-        engines = getattr(cfg, "generation_gpus", 0)
         others.append(f"shard it over {ranks} trainer ranks (torchrun --nproc-per-node {ranks}"
                       + (f" with --generation-gpus {ranks}: {2 * ranks} GPUs)" if engines else ")"))
-    if not lora and not getattr(cfg, "generation_gpus", 0):  # LoRA is refused with engines on GPUs of their own
+    if not lora and not engines:  # LoRA is refused with engines on GPUs of their own
         others.append("train LoRA (--lora-rank)")
     raise UserError(f"{head}: the weights and optimizer state alone do not fit; use a GPU with more memory or a "
                     f"smaller model{''.join(', or ' + o for o in others)}", EXIT_MEMORY)

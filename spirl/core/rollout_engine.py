@@ -110,19 +110,24 @@ def _free_port() -> int:
 
 
 def _weight_group(port: int, rank: int, device: str):
-    """The two-rank process group of the trainer (rank 0, which holds the store) and its engine (rank 1): NCCL
-    between GPUs, gloo between CPU processes. Built on its own store, so it is not torchrun's world.
+    """The two-rank process group of the trainer (rank 0, which holds the store) and its engine (rank 1), set up
+    by a one-element transfer from rank 0 to rank 1; `device`: this process's (NCCL between GPUs, gloo between CPU
+    processes). Built on its own store, so it is not torchrun's world.
 
-    Its first send (one element) is made when the engine's process starts, before vLLM is imported there: vLLM's
-    batch-invariant mode sets NCCL's environment for its own collectives (one channel, NCCL_PROTO and the like),
-    a communicator takes NCCL's environment when it is set up, and two ranks set up with different settings hang on their first transfer (seen
+    The engine's process builds it when it starts, before vLLM is imported there: vLLM's batch-invariant mode sets
+    NCCL's environment for its own collectives (one channel, NCCL_PROTO and the like), a communicator takes NCCL's
+    environment when it is set up, and two ranks set up with different settings hang on their first transfer (seen
     on two H200s: 32 channels in the trainer's process, 1 in the engine's)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, GROUP_TIMEOUT, wait_for_workers=False)
     if device.startswith("cuda"):
-        return store, dist.ProcessGroupNCCL(store, rank, 2)
-    return store, dist.ProcessGroupGloo(store, rank, 2, GROUP_TIMEOUT)
+        group = dist.ProcessGroupNCCL(store, rank, 2)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, 2, GROUP_TIMEOUT)
+    one = torch.zeros(1, device=device)
+    (group.send([one], 1, 0) if rank == 0 else group.recv([one], 0, 0)).wait()
+    return store, group
 
 
 def _chunks(named_tensors, limit: int = WEIGHT_CHUNK_BYTES) -> list[list[tuple[str, torch.Tensor]]]:
@@ -164,8 +169,7 @@ def _serve(conn, p: EngineProcess) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = p.visible
         p = replace(p, device="cuda:0")
     conn.send(("joining", None))
-    _store, group = _weight_group(p.group_port, 1, p.device)
-    group.recv([torch.zeros(1, device=p.device)], 0, 0).wait()  # NCCL set up now, before vLLM sets its NCCL env
+    _store, group = _weight_group(p.group_port, 1, p.device)  # before vLLM sets its NCCL environment here
     try:
         engine = _build(p)
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, one line
@@ -216,9 +220,8 @@ class RemoteEngine:
         child.close()
         atexit.register(self.close)  # runs before multiprocessing joins its children at exit (atexit is LIFO)
         self._answer("starting the engine's process")  # "joining": its side of the weight group comes next
-        self._store, self._group = _weight_group(process.group_port, 0, process.device)
-        here = torch.device("cuda", torch.cuda.current_device()) if process.device.startswith("cuda") else "cpu"
-        self._group.send([torch.zeros(1, device=here)], 1, 0).wait()
+        here = f"cuda:{torch.cuda.current_device()}" if process.device.startswith("cuda") else "cpu"
+        self._store, self._group = _weight_group(process.group_port, 0, here)
         self._budget = self._answer("starting the engine")
         log.info("rollout engine (%s) in a process of its own on %s (pid %d)", process.engine.kind, process.device,
                  self._proc.pid)
