@@ -331,29 +331,21 @@ def check_scaling(args, res: dict) -> bool:
 
 
 def check_trl(args, res: dict) -> bool:
-    name = f"trl_{args.ranks}"
+    from compare.trl_grpo import launch
+
     batch = args.scaling_prompts_per_rank * args.ranks
-    model = _model_dir(args, args.model)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", f"--num_processes={args.ranks}", "--num_machines=1",
-           "--mixed_precision=bf16", "--dynamo_backend=no", str(REPO / "compare" / "trl_grpo.py"), "--model", model,
-           "--task", "synthetic", "--prompts-per-step", str(batch), "--group-size", str(args.group_size),
-           "--max-new-tokens", str(args.scaling_max_new_tokens), "--steps", str(args.steps_scaling), "--skip", "1",
-           "--lora-rank", str(args.lora_rank), "--out", str(args.out / name)]
-    log = args.out / f"{name}.log"
-    print(f"[{name}] {shlex.join(cmd[1:])}  (log: {log})", flush=True)
-    env = {**_env(args), "VLLM_BATCH_INVARIANT": "0"}
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-    summary = [x for x in log.read_text().splitlines() if x.startswith("trl_grpo: ") and "median" in x]
-    if rc != 0 or not summary:
-        print(f"  trl: exit {rc}, no summary; see {log}")
+    trl, summary = launch(_model_dir(args, args.model), args.ranks, args.out / f"trl_{args.ranks}",
+                          prompts_per_step=batch, group_size=args.group_size,
+                          max_new_tokens=args.scaling_max_new_tokens, steps=args.steps_scaling, skip=1,
+                          extra=("--task", "synthetic", "--lora-rank", str(args.lora_rank)))
+    if trl is None:
+        print(f"  trl: {summary}")
         return False
-    trl = float(summary[0].split("median ")[1].split(" s")[0])
     ours = res.get("weak", {}).get("step")
     ratio = f"SPIRL / TRL = {ours / trl:.2f}x" if ours else "(run scaling for SPIRL's step)"
     print(f"  trl: TRL GRPOTrainer on {args.ranks} GPUs, {batch} prompts x {args.group_size} x "
           f"{args.scaling_max_new_tokens}: {trl:.2f} s a step; SPIRL {ours if ours else float('nan'):.2f} s; {ratio}")
-    print(f"  trl: {summary[0]}")
+    print(f"  trl: {summary}")
     return ours is not None and ours <= trl
 
 

@@ -6,6 +6,7 @@
 
     VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --ranks 1,2 --split 1 --repeat 0  # 2 GPUs
     VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --model DIR --ranks 2 --split 2    # 4 GPUs
+    VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --ranks 1 --split 1 --trl 1,2  # + TRL
 
 For each R of --ranks: simple_rl.py on R trainer ranks (R = 1: one process; else torchrun, FSDP2, each rank's engine
 beside it) with --off-policy-steps 0, then K (for the first R, K once more with --repeat 1); and for each R of
@@ -14,8 +15,10 @@ shape, no checkpoints but the last. Prints compare/phase_table.py's per-phase me
 (with K > 0, `rollout` is the engine's time beside the trainer and `rollout_wait` what the trainer waited for it),
 each K run's throughput against the synchronous run on as many trainer ranks and against the first synchronous
 run, parity totals, the offpolicy/* means, and whether the repeat and each split run equal their colocated K run
-in every scalar but times and memory. Exit status 1 if a run failed, a token differed or a run that should equal
-another did not.
+in every scalar but times and memory. For each G of --trl, TRL's GRPOTrainer (compare/trl_grpo.py, plain vLLM
+colocated, `accelerate launch` on several GPUs) runs the same model, prompts and shape on G GPUs, and each SPIRL run on
+G GPUs (R trainer ranks, or R + R with --generation-gpus) is printed against it. Exit status 1 if a run failed, a
+token differed or a run that should equal another did not.
 Arguments after `--` go to every run.
 """
 
@@ -53,16 +56,20 @@ def _args(argv):
     p.add_argument("--ranks", default="1",
                    help="comma-separated trainer rank counts, each run as above (R > 1: torchrun)")
     p.add_argument("--skip", type=int, default=1, help="steps left out of the medians (compiles)")
+    p.add_argument("--trl", default="0",
+                   help="comma-separated GPU counts to run TRL's GRPOTrainer on, as the anchor; 0: none")
+    p.add_argument("--trl-args", default="", help="flags for every TRL run (compare/trl_grpo.py), e.g. --micro-batch 4")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="-- then flags for every simple_rl.py run")
     a = p.parse_args(argv)
     a.rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     try:
         a.ranks = [int(r) for r in a.ranks.split(",")]
         a.split = [int(r) for r in a.split.split(",") if int(r)]
+        a.trl = sorted({int(g) for g in a.trl.split(",") if int(g)})
     except ValueError:
-        p.error("--ranks and --split take rank counts separated by commas, e.g. 1,2")
-    if not a.ranks or min(a.ranks) < 1 or not set(a.split) <= set(a.ranks):
-        p.error(f"--ranks {a.ranks} and --split {a.split}: rank counts >= 1, and --split's among --ranks'")
+        p.error("--ranks, --split and --trl take counts separated by commas, e.g. 1,2")
+    if not a.ranks or min(a.ranks + a.trl) < 1 or not set(a.split) <= set(a.ranks):
+        p.error(f"--ranks {a.ranks}, --split {a.split}, --trl {a.trl}: counts >= 1, and --split's among --ranks'")
     return a
 
 
@@ -110,6 +117,29 @@ def _runs(a) -> list[tuple[str, int, int, tuple[str, ...]]]:
     return runs
 
 
+def _gpus(ranks: int, extra: tuple[str, ...]) -> int:
+    """The GPUs a run takes: its trainer ranks, and as many engine GPUs with --generation-gpus."""
+    return 2 * ranks if extra else ranks
+
+
+def run_trl(a) -> dict[int, float]:
+    """TRL's median step on each GPU count of --trl (compare/trl_grpo.py, same model and shape)."""
+    from compare.trl_grpo import launch
+    from spirl.core.preflight import resolve_model
+
+    model = str(resolve_model(a.model, str(Path(a.out) / "ck")))  # the directory simple_rl.py wrote a random: to
+    times = {}
+    for gpus in a.trl:
+        step, line = launch(model, gpus, Path(a.out) / f"trl{_tag(gpus)}", prompts_per_step=a.prompts_per_step,
+                            group_size=a.group_size, max_new_tokens=a.max_new_tokens, steps=a.steps, skip=a.skip,
+                            extra=tuple(shlex.split(a.trl_args)))
+        print(f"trl{_tag(gpus)}: {line}", flush=True)
+        if step is None:
+            raise SystemExit(1)
+        times[gpus] = step
+    return times
+
+
 def _same(steps: dict, x: str, y: str) -> bool:
     return _deterministic(steps[x]) == _deterministic(steps[y])
 
@@ -137,13 +167,21 @@ def main(argv=None) -> int:
             same = _same(steps, twin, n)
             print(f"{n}: {'identical to' if same else 'DIFFERENT from'} {twin} in every scalar but times")
             bad = bad or not same
+    trl = run_trl(a)
+    to_trl = {}
+    for n, _, r, extra in runs:
+        if _gpus(r, extra) in trl:
+            to_trl[n] = step[n] / trl[_gpus(r, extra)]
+            print(f"{n} on {_gpus(r, extra)} GPU(s): step {step[n]:.3f} s, TRL's {trl[_gpus(r, extra)]:.3f} s: "
+                  f"SPIRL / TRL x{to_trl[n]:.2f}")
     first_k = f"k{a.k}{_tag(a.ranks[0])}"
     for key in ("offpolicy/staleness", "offpolicy/ratio_mean", "offpolicy/ratio_std", "offpolicy/ratio_clipped_frac"):
         vals = [row[key] for row in steps[first_k].values() if key in row]
         if vals:
             print(f"{key}: mean {statistics.fmean(vals):.4f} over {len(vals)} steps ({first_k})")
     print(json.dumps({"step_s": {n: step[n] for n in names}, "ratio_to_" + base: {n: v / step[base]
-                                                                               for n, v in out.items()}}))
+                                                                               for n, v in out.items()},
+                      "trl_step_s": trl, "ratio_to_trl": to_trl}))
     return 1 if bad else 0
 
 

@@ -40,6 +40,35 @@ def dataset_rows(task, steps: int, prompts_per_step: int, seed: int) -> list[dic
     return rows
 
 
+def launch(model: str, gpus: int, out: Path, *, prompts_per_step: int, group_size: int, max_new_tokens: int,
+           steps: int, skip: int, extra: tuple[str, ...] = ()) -> tuple[float | None, str]:
+    """This script as a user runs it on `gpus` processes (1: python; more: `accelerate launch`, data parallel, the
+    prompts shared), plain vLLM (VLLM_BATCH_INVARIANT=0), the log in <out>.log. Returns (its median step in
+    seconds, its summary line), or (None, the log's tail) if it failed. `model`: a directory (TRL reads one)."""
+    import shlex
+    import subprocess
+
+    launch = [sys.executable] if gpus == 1 else [
+        sys.executable, "-m", "accelerate.commands.launch", f"--num_processes={gpus}", "--num_machines=1",
+        "--mixed_precision=bf16", "--dynamo_backend=no"]
+    cmd = [*launch, str(Path(__file__).resolve()), "--model", model, "--prompts-per-step", str(prompts_per_step),
+           "--group-size", str(group_size), "--max-new-tokens", str(max_new_tokens), "--steps", str(steps),
+           "--skip", str(skip), "--out", str(out), *extra]
+    log = out.with_suffix(".log")
+    print(f"$ {shlex.join(cmd)}  (log {log})", flush=True)
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "VLLM_BATCH_INVARIANT": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=repo).returncode
+    text = log.read_text()
+    summary = [x for x in text.splitlines() if x.startswith("trl_grpo: ") and "median" in x]
+    if rc or not summary:
+        return None, f"exit {rc}, no summary:\n{text[-3000:]}"
+    return float(summary[0].split("median ")[1].split(" s")[0]), summary[0]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a Qwen3 checkpoint directory (weights.py --random ... makes one)")

@@ -32,7 +32,28 @@ def test_one_and_two_ranks_with_split_runs(tmp_path):
 
 
 def test_bad_rank_lists_are_one_line_errors():
-    for args, word in ((["--ranks", "1,x"], "comma"), (["--ranks", "1", "--split", "2"], "--split's among")):
+    for args, word in ((["--ranks", "1,x"], "comma"), (["--ranks", "1", "--split", "2"], "--split's among"),
+                       (["--trl", "two"], "comma")):
         proc = subprocess.run([sys.executable, "-m", "compare.offpolicy_bench", "--out", "/tmp/unused", *args],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and word in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+@pytest.mark.slow
+def test_trl_anchor_beside_the_runs(tmp_path):
+    pytest.importorskip("trl")
+    cmd = [sys.executable, "-m", "compare.offpolicy_bench", "--out", str(tmp_path), "--model", "random:tiny",
+           "--repeat", "0", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4",
+           "--trl", "1", "--trl-args", "--vllm none --micro-batch 4", "--", "--engine", "native", "--device", "cpu",
+           "--dtype", "float32", "--task", "synthetic"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "trl.log").is_file()
+    result = json.loads(proc.stdout.splitlines()[-1])
+    trl = result["trl_step_s"]["1"]
+    assert trl > 0 and set(result["ratio_to_trl"]) == {"sync", "k1"}
+    for name in ("sync", "k1"):
+        assert result["ratio_to_trl"][name] == result["step_s"][name] / trl
+        assert any(line.startswith(f"{name} on 1 GPU(s): ") and "SPIRL / TRL x" in line
+                   for line in proc.stdout.splitlines())
