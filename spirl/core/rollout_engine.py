@@ -130,6 +130,18 @@ def _weight_group(port: int, rank: int, device: str):
     return store, group
 
 
+def _shut(group, seconds: float = 60.0) -> None:
+    """Shut the weight group down, waiting at most `seconds`. Each side calls it after the engine has answered
+    `close`, so the two finalize at the same time: torch's ProcessGroupNCCL.shutdown finalizes the communicator,
+    which may wait for the peer's (one side shutting down before answering, the other after the answer, hung the
+    exit of a 1 + 1 run on two H200s). Past `seconds` the process goes on; its exit frees what is left."""
+    done = threading.Thread(target=group.shutdown, name="spirl-weight-group-shutdown", daemon=True)
+    done.start()
+    done.join(seconds)
+    if done.is_alive():
+        log.warning("the weight group did not shut down within %.0f s; leaving it to the process's exit", seconds)
+
+
 def _chunks(named_tensors, limit: int = WEIGHT_CHUNK_BYTES) -> list[list[tuple[str, torch.Tensor]]]:
     """(name, tensor) pairs in order, cut into runs of at most `limit` bytes (a larger tensor alone)."""
     chunks, size = [[]], 0
@@ -184,8 +196,8 @@ def _serve(conn, p: EngineProcess) -> None:
             break
         if method == "close":
             engine.close()
-            group.shutdown()
             conn.send(("ok", None))
+            _shut(group)  # with the trainer's side: NCCL's finalize may wait for the peer's
             break
         try:
             if method == "load_weights":
@@ -270,7 +282,7 @@ class RemoteEngine:
         except (RemoteEngineError, OSError, BrokenPipeError):
             pass
         if "_group" in self.__dict__:
-            self._group.shutdown()
+            _shut(self._group)
         self._proc.join(timeout=60)
         if self._proc.is_alive():
             self._proc.terminate()
