@@ -116,3 +116,34 @@ def test_engine_process_sees_its_gpu_first(monkeypatch, visible, index, expected
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert rollout_engine._engine_first(index) == expected
+
+
+def test_weight_group_shutdown_is_bounded(caplog):
+    """A shutdown that does not return (NCCL's finalize waiting for a peer that never finalizes) costs the exit at
+    most the bound, with one warning; a shutdown that returns is waited for."""
+    import threading
+    import time
+
+    from spirl.core.rollout_engine import _shut
+
+    release = threading.Event()
+
+    class Stuck:
+        def shutdown(self):
+            release.wait(30)
+
+    class Quick:
+        called = False
+
+        def shutdown(self):
+            Quick.called = True
+
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="spirl.core.rollout_engine"):
+        _shut(Stuck(), seconds=0.2)
+    assert time.perf_counter() - start < 5
+    assert "did not shut down within" in caplog.text
+    release.set()
+    caplog.clear()
+    _shut(Quick(), seconds=5)
+    assert Quick.called and "did not shut down" not in caplog.text
