@@ -40,6 +40,27 @@ def dataset_rows(task, steps: int, prompts_per_step: int, seed: int) -> list[dic
     return rows
 
 
+def trainer_args(a, batch: int, world: int, cuda: bool):
+    """TRL's GRPOConfig for the arguments `a` (one optimizer step per batch of `batch` samples over `world`
+    processes), and PEFT's LoraConfig with --lora-rank (else None)."""
+    from trl import GRPOConfig
+
+    config = GRPOConfig(
+        output_dir=a.out, max_steps=a.steps, learning_rate=a.lr, seed=a.seed, beta=0.0, num_iterations=1,
+        num_generations=a.group_size, generation_batch_size=batch, per_device_train_batch_size=a.micro_batch,
+        gradient_accumulation_steps=batch // (a.micro_batch * world),
+        max_completion_length=a.max_new_tokens, temperature=1.0, lr_scheduler_type="constant", bf16=cuda,
+        gradient_checkpointing=cuda,
+        use_vllm=a.vllm == "colocate", vllm_mode="colocate", vllm_gpu_memory_utilization=a.gpu_memory_utilization,
+        report_to="none", logging_steps=1, save_strategy="no", use_cpu=not cuda, dataloader_num_workers=0)
+    if not a.lora_rank:
+        return config, None
+    from peft import LoraConfig
+
+    return config, LoraConfig(r=a.lora_rank, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                              task_type="CAUSAL_LM")
+
+
 def launch(model: str, gpus: int, out: Path, *, prompts_per_step: int, group_size: int, max_new_tokens: int,
            steps: int, skip: int, extra: tuple[str, ...] = ()) -> tuple[float | None, str]:
     """This script as a user runs it on `gpus` processes (1: python; more: `accelerate launch`, data parallel, the
@@ -94,7 +115,7 @@ def main(argv=None) -> int:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from spirl.core.preflight import load_checked_tokenizer
     from spirl.tasks import get_task
@@ -121,20 +142,7 @@ def main(argv=None) -> int:
             self.times.append(time.perf_counter() - self.t0)
             print(f"trl_grpo: step {state.global_step} {self.times[-1]:.2f} s", flush=True)
 
-    config = GRPOConfig(
-        output_dir=a.out, max_steps=a.steps, learning_rate=a.lr, seed=a.seed, beta=0.0, num_iterations=1,
-        num_generations=a.group_size, generation_batch_size=batch, per_device_train_batch_size=a.micro_batch,
-        gradient_accumulation_steps=batch // (a.micro_batch * world),
-        max_completion_length=a.max_new_tokens, temperature=1.0, lr_scheduler_type="constant", bf16=cuda,
-        gradient_checkpointing=cuda,
-        use_vllm=a.vllm == "colocate", vllm_mode="colocate", vllm_gpu_memory_utilization=a.gpu_memory_utilization,
-        report_to="none", logging_steps=1, save_strategy="no", use_cpu=not cuda, dataloader_num_workers=0)
-    peft_config = None
-    if a.lora_rank:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=a.lora_rank, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                                 task_type="CAUSAL_LM")
+    config, peft_config = trainer_args(a, batch, world, cuda)
     rows = dataset_rows(task, a.steps, a.prompts_per_step, a.seed)
     clock = StepClock()
     trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
