@@ -170,10 +170,10 @@ def main(argv=None) -> int:
     trl = run_trl(a)
     to_trl = {}
     for n, _, r, extra in runs:
-        if _gpus(r, extra) in trl:
-            to_trl[n] = step[n] / trl[_gpus(r, extra)]
-            print(f"{n} on {_gpus(r, extra)} GPU(s): step {step[n]:.3f} s, TRL's {trl[_gpus(r, extra)]:.3f} s: "
-                  f"SPIRL / TRL x{to_trl[n]:.2f}")
+        gpus = _gpus(r, extra)
+        if gpus in trl:
+            to_trl[n] = step[n] / trl[gpus]
+            print(f"{n} on {gpus} GPU(s): step {step[n]:.3f} s, TRL's {trl[gpus]:.3f} s: SPIRL / TRL x{to_trl[n]:.2f}")
     first_k = f"k{a.k}{_tag(a.ranks[0])}"
     for key in ("offpolicy/staleness", "offpolicy/ratio_mean", "offpolicy/ratio_std", "offpolicy/ratio_clipped_frac"):
         vals = [row[key] for row in steps[first_k].values() if key in row]
