@@ -7,6 +7,7 @@ Runs of the tiny model (native engine, float32; 2 prompts x 4 samples, --max-new
     P2   P again                                         -> identical scalars and checkpoint bytes
     R    P resumed from its step-2 checkpoint            -> P's steps 3 and 4, P's step-4 checkpoint
     PK   P with --off-policy-steps 1, and PK2 again      -> identical
+    PKG  PK with the engine in a process of its own (--generation-gpus 1) -> PK's run bit for bit
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def runs(tiny_ckpt, module_dir):
                "R": train(_cfg(tiny_ckpt, root, "R", partial_rollout_tokens=2,
                                resume=str(root / "ck" / "P" / "step_000002"))),
                "PK": train(_cfg(tiny_ckpt, root, "PK", partial_rollout_tokens=2, off_policy_steps=1)),
-               "PK2": train(_cfg(tiny_ckpt, root, "PK2", partial_rollout_tokens=2, off_policy_steps=1))}
+               "PK2": train(_cfg(tiny_ckpt, root, "PK2", partial_rollout_tokens=2, off_policy_steps=1)),
+               "PKG": train(_cfg(tiny_ckpt, root, "PKG", partial_rollout_tokens=2, off_policy_steps=1,
+                                 generation_gpus=1))}
     return root, out, trained
 
 
@@ -83,6 +86,19 @@ def test_partial_runs_repeat_bit_for_bit(runs, a, b):
     for step in range(1, STEPS + 1):
         x, y = _hashes(root / "ck" / a / f"step_{step:06d}"), _hashes(root / "ck" / b / f"step_{step:06d}")
         assert x == y and "partial.json" in x, step
+
+
+def test_engine_in_a_process_of_its_own_continues_as_the_colocated_one(runs):
+    """Continuations sent to a remote engine (--generation-gpus 1): PK's scalars but times and memory, and every
+    checkpoint's files but state.json (which records the config) byte for byte."""
+    root, out, _ = runs
+    timing = ("time/", "memory/", "triton/")
+    assert [{k: v for k, v in _same(m).items() if not k.startswith(timing)} for m in out["PKG"]] == \
+        [{k: v for k, v in _same(m).items() if not k.startswith(timing)} for m in out["PK"]]
+    for step in range(1, STEPS + 1):
+        d = f"step_{step:06d}"
+        x = _hashes(root / "ck" / "PKG" / d, ("state.json",))
+        assert x == _hashes(root / "ck" / "PK" / d, ("state.json",)) and "partial.safetensors" in x, step
 
 
 def test_resumed_run_continues_the_carried_groups(runs):
