@@ -7,6 +7,8 @@
     VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --ranks 1,2 --split 1 --repeat 0  # 2 GPUs
     VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --model DIR --ranks 2 --split 2    # 4 GPUs
     VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --ranks 1 --split 1 --trl 1,2  # + TRL
+    VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --split 1 --colocated 0 --partial 0,384 \
+        --trl 2 --repeat 0   # the 1 + 1 run without and with partial rollouts of 384 tokens, and TRL on 2 GPUs
 
 For each R of --ranks: simple_rl.py on R trainer ranks (R = 1: one process; else torchrun, FSDP2, each rank's engine
 beside it) with --off-policy-steps 0, then K (for the first R, K once more with --repeat 1); and for each R of
@@ -17,8 +19,10 @@ each K run's throughput against the synchronous run on as many trainer ranks and
 run, parity totals, the offpolicy/* means, and whether the repeat and each split run equal their colocated K run
 in every scalar but times and memory. For each G of --trl, TRL's GRPOTrainer (compare/trl_grpo.py, plain vLLM
 colocated, `accelerate launch` on several GPUs) runs the same model, prompts and shape on G GPUs, and each SPIRL run on
-G GPUs (R trainer ranks, or R + R with --generation-gpus) is printed against it. Exit status 1 if a run failed, a
-token differed or a run that should equal another did not.
+G GPUs (R trainer ranks, or R + R with --generation-gpus) is printed against it. With --partial C1,C2 every SPIRL
+run is made once per C with --partial-rollout-tokens C (names suffixed -pC; 0: without), and --colocated 0 leaves
+out the colocated runs of the rank counts in --split. Exit status 1 if a run failed, a token differed or a run that
+should equal another did not.
 Arguments after `--` go to every run.
 """
 
@@ -59,6 +63,10 @@ def _args(argv):
     p.add_argument("--trl", default="0",
                    help="comma-separated GPU counts to run TRL's GRPOTrainer on, as the anchor; 0: none")
     p.add_argument("--trl-args", default="", help="flags for every TRL run (compare/trl_grpo.py), e.g. --micro-batch 4")
+    p.add_argument("--partial", default="0",
+                   help="comma-separated --partial-rollout-tokens budgets C: every SPIRL run once per C (0: without)")
+    p.add_argument("--colocated", type=int, choices=(0, 1), default=1,
+                   help="0: leave out the colocated runs (synchronous and K) of the rank counts in --split")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="-- then flags for every simple_rl.py run")
     a = p.parse_args(argv)
     a.rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
@@ -66,10 +74,14 @@ def _args(argv):
         a.ranks = [int(r) for r in a.ranks.split(",")]
         a.split = [int(r) for r in a.split.split(",") if int(r)]
         a.trl = sorted({int(g) for g in a.trl.split(",") if int(g)})
+        a.partial = list(dict.fromkeys(int(c) for c in a.partial.split(",")))
     except ValueError:
-        p.error("--ranks, --split and --trl take counts separated by commas, e.g. 1,2")
-    if not a.ranks or min(a.ranks + a.trl) < 1 or not set(a.split) <= set(a.ranks):
-        p.error(f"--ranks {a.ranks}, --split {a.split}, --trl {a.trl}: counts >= 1, and --split's among --ranks'")
+        p.error("--ranks, --split, --trl and --partial take counts separated by commas, e.g. 1,2")
+    if not a.ranks or min(a.ranks + a.trl) < 1 or not set(a.split) <= set(a.ranks) or min(a.partial) < 0:
+        p.error(f"--ranks {a.ranks}, --split {a.split}, --trl {a.trl}, --partial {a.partial}: counts >= 1 "
+                "(--partial's >= 0), and --split's among --ranks'")
+    if not a.colocated and not a.split:
+        p.error("--colocated 0 leaves only the --split runs: name at least one with --split R")
     return a
 
 
@@ -105,21 +117,25 @@ def _tag(ranks: int) -> str:
 
 
 def _runs(a) -> list[tuple[str, int, int, tuple[str, ...]]]:
-    """(name, K, trainer ranks, extra flags) of every run, in order (names suffixed by _tag)."""
+    """(name, K, trainer ranks, extra flags) of every run, in order (names suffixed by _tag, then -pC)."""
     runs = []
-    for i, r in enumerate(a.ranks):
-        tag = _tag(r)
-        runs += [(f"sync{tag}", 0, r, ()), (f"k{a.k}{tag}", a.k, r, ())]
-        if a.repeat and i == 0:
-            runs.append((f"k{a.k}-again{tag}", a.k, r, ()))
-        if r in a.split:
-            runs.append((f"k{a.k}-split{tag}", a.k, r, ("--generation-gpus", str(r))))
+    for c in a.partial:
+        pc = ("--partial-rollout-tokens", str(c)) if c else ()
+        suffix = f"-p{c}" if c else ""
+        for i, r in enumerate(a.ranks):
+            tag = _tag(r) + suffix
+            if a.colocated or r not in a.split:
+                runs += [(f"sync{tag}", 0, r, pc), (f"k{a.k}{tag}", a.k, r, pc)]
+                if a.repeat and i == 0:
+                    runs.append((f"k{a.k}-again{tag}", a.k, r, pc))
+            if r in a.split:
+                runs.append((f"k{a.k}-split{tag}", a.k, r, ("--generation-gpus", str(r), *pc)))
     return runs
 
 
 def _gpus(ranks: int, extra: tuple[str, ...]) -> int:
     """The GPUs a run takes: its trainer ranks, and as many engine GPUs with --generation-gpus."""
-    return 2 * ranks if extra else ranks
+    return 2 * ranks if "--generation-gpus" in extra else ranks
 
 
 def run_trl(a) -> dict[int, float]:
@@ -157,13 +173,16 @@ def main(argv=None) -> int:
     out, bad = {}, any(s["different"] for s in sums.values())
     for n, k, r, extra in runs:
         if k:
-            sync = f"sync{_tag(r)}"
-            where = f"{r} trainer rank(s)" + (f" + {r} engine GPU(s)" if extra else "")
+            sync = n.replace(f"k{a.k}", "sync", 1).replace("-again", "").replace("-split", "")
+            where = f"{r} trainer rank(s)" + (f" + {r} engine GPU(s)" if "--generation-gpus" in extra else "")
+            against = f"; against {sync}: x{step[sync] / step[n]:.2f} throughput" if sync in step else ""
             also = "" if sync == base else f"; against {base}: x{step[base] / step[n]:.2f}"
-            print(f"{n} ({where}): step {step[n]:.3f} s; against {sync}: x{step[sync] / step[n]:.2f} throughput{also}")
+            print(f"{n} ({where}): step {step[n]:.3f} s{against}{also}")
             out[n] = step[n]
         if "-again" in n or "-split" in n:
             twin = n.replace("-again", "").replace("-split", "")
+            if twin not in steps:
+                continue
             same = _same(steps, twin, n)
             print(f"{n}: {'identical to' if same else 'DIFFERENT from'} {twin} in every scalar but times")
             bad = bad or not same
@@ -174,7 +193,7 @@ def main(argv=None) -> int:
         if gpus in trl:
             to_trl[n] = step[n] / trl[gpus]
             print(f"{n} on {gpus} GPU(s): step {step[n]:.3f} s, TRL's {trl[gpus]:.3f} s: SPIRL / TRL x{to_trl[n]:.2f}")
-    first_k = f"k{a.k}{_tag(a.ranks[0])}"
+    first_k = next(n for n, k, *_ in runs if k)
     for key in ("offpolicy/staleness", "offpolicy/ratio_mean", "offpolicy/ratio_std", "offpolicy/ratio_clipped_frac"):
         vals = [row[key] for row in steps[first_k].values() if key in row]
         if vals:
