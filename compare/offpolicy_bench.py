@@ -176,7 +176,7 @@ def main(argv=None) -> int:
             sync = n.replace(f"k{a.k}", "sync", 1).replace("-again", "").replace("-split", "")
             where = f"{r} trainer rank(s)" + (f" + {r} engine GPU(s)" if "--generation-gpus" in extra else "")
             against = f"; against {sync}: x{step[sync] / step[n]:.2f} throughput" if sync in step else ""
-            also = "" if sync == base else f"; against {base}: x{step[base] / step[n]:.2f}"
+            also = "" if base in (sync, n) else f"; against {base}: x{step[base] / step[n]:.2f}"
             print(f"{n} ({where}): step {step[n]:.3f} s{against}{also}")
             out[n] = step[n]
         if "-again" in n or "-split" in n:
