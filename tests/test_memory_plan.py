@@ -59,6 +59,15 @@ def test_estimate_by_hand():
     # no KL term: no reference copy; the native engine: no vLLM share
     assert mp.estimate(a, dataclasses.replace(cfg, kl_coef=0.0), 64 * GIB, max_seq_len=30).parts["reference"] == 0
     assert mp.estimate(a, dataclasses.replace(cfg, engine="native"), 64 * GIB, max_seq_len=30).parts["vLLM"] == 0
+    # K = 1 with the engine on a GPU of its own: no vLLM share here, and the weights a rollout is checked on after
+    # the update kept (the compute model's copy; sharded: this rank's fp32 shards of the masters)
+    split = dataclasses.replace(cfg, off_policy_steps=1, generation_gpus=1)
+    one = mp.estimate(a, split, 64 * GIB, max_seq_len=30).parts
+    assert one["vLLM"] == 0 and one["weights kept for the check"] == 4 * p
+    bf16 = mp.estimate(a, dataclasses.replace(split, dtype="bfloat16"), 64 * GIB, max_seq_len=30, shards=2).parts
+    assert bf16["weights kept for the check"] == 4 * p // 2
+    assert "weights kept for the check" not in mp.estimate(a, dataclasses.replace(split, dynamic_sampling=1), 64 * GIB,
+                                                           max_seq_len=30).parts
 
 
 def test_tokens_per_microbatch_bounds():

@@ -41,9 +41,9 @@ def runs(tiny_ckpt, module_dir):
     root, trained = module_dir, {}
     real = trainer.train_on
 
-    def recording(run, ro, times, before_update=None):  # what each step of P trains on
+    def recording(run, ro, times, *hooks):  # what each step of P trains on
         trained.setdefault(run.cfg.run_name, []).append(copy.deepcopy(ro.samples))
-        return real(run, ro, times, before_update)
+        return real(run, ro, times, *hooks)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(checkpoint, "KEEP", STEPS)

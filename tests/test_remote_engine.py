@@ -67,6 +67,70 @@ def test_refused_at_set_up(tiny_ckpt, tmp_path, kw, message):
     assert "\n" not in str(e.value)
 
 
+REWARD = """
+def last_token_odd(prompts, completions, completion_ids, **kwargs):
+    return [float(c[-1] % 2) if c else 0.0 for c in completion_ids]
+"""
+
+
+def test_next_rollout_begun_before_the_check_keeps_data_order_and_resumes(tiny_ckpt, tmp_path, monkeypatch):
+    """With the engine in a process of its own the next rollout is begun before this one is checked, on a kept copy
+    of the weights (TrainConfig.checks_after_update): on a dataset read in order, with an eval every 2 steps (which
+    uses the engine: nothing is begun before it), the run equals the colocated one in every scalar but times, each
+    checkpoint records the same data position, and the run resumed from its step-1 checkpoint gives its steps 2-4
+    and its last checkpoint's tensors."""
+    import json
+
+    from spirl.core import checkpoint
+    from spirl.loops.run import train
+
+    monkeypatch.setattr(checkpoint, "KEEP", 4)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(13)))
+    (tmp_path / "rewards.py").write_text(REWARD)
+    kw = dict(task="arith", dataset=str(tmp_path / "data.jsonl"), reward=(f"{tmp_path / 'rewards.py'}:last_token_odd",),
+              eval_dataset=str(tmp_path / "data.jsonl"), eval_every=2, eval_size=2, steps=4, checkpoint_every=1,
+              off_policy_steps=1)
+    kw["task"] = TrainConfig.task
+    assert _cfg(tiny_ckpt, tmp_path, "x", generation_gpus=1, **kw).checks_after_update
+    here = train(_cfg(tiny_ckpt, tmp_path, "here", **kw))
+    there = train(_cfg(tiny_ckpt, tmp_path, "there", generation_gpus=1, **kw))
+    again = train(_cfg(tiny_ckpt, tmp_path, "again", generation_gpus=1,
+                       resume=str(tmp_path / "ck" / "there" / "step_000001"), **kw))
+    assert _strip(there) == _strip(here) and _strip(again) == _strip(there)[1:]
+    assert all(r["parity/tokens_different"] == 0 and r["parity/tokens_compared"] > 0 for r in there + again)
+    assert sum(r["skipped_update"] == 0 for r in there) >= 2
+    assert any("eval/" in k for r in there for k in r)
+
+    def position(name, step):
+        return json.loads((tmp_path / "ck" / name / f"step_{step:06d}" / "state.json").read_text())["data_position"]
+
+    assert [position("there", s) for s in range(1, 5)] == [position("here", s) for s in range(1, 5)]
+    assert position("again", 4) == position("there", 4)
+    last = [tmp_path / "ck" / n / "step_000004" for n in ("there", "again")]
+    names = sorted(p.name for p in last[0].iterdir() if p.suffix == ".safetensors")
+    assert names and all((last[0] / n).read_bytes() == (last[1] / n).read_bytes() for n in names)
+
+
+def test_stop_with_the_next_rollout_begun_checkpoints_and_resumes(tiny_ckpt, tmp_path, monkeypatch, caplog):
+    """A SIGTERM after step 2 (the rollout of step 4 begun, TrainConfig.checks_after_update): the run waits for the
+    engine, checkpoints step 2 and ends; resumed, it gives the uninterrupted run's steps 3-4 and last checkpoint."""
+    from spirl.loops import run as run_module
+    from spirl.loops.run import train
+
+    kw = dict(steps=4, off_policy_steps=1, generation_gpus=1, checkpoint_every=0)
+    full = train(_cfg(tiny_ckpt, tmp_path, "full", **kw))
+    monkeypatch.setattr(run_module, "_stop_requested", lambda run: run.progress.done == 2)
+    with caplog.at_level(logging.WARNING, logger="spirl.loops.run"):
+        stopped = train(_cfg(tiny_ckpt, tmp_path, "stopped", **kw))
+    assert len(stopped) == 2 and any("stopped by SIGTERM after step 2" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    resumed = train(_cfg(tiny_ckpt, tmp_path, "stopped", resume=str(tmp_path / "ck" / "stopped"), **kw))
+    assert _strip(resumed) == _strip(full)[2:]
+    last = [tmp_path / "ck" / n / "step_000004" for n in ("full", "stopped")]
+    names = sorted(p.name for p in last[0].iterdir() if p.suffix == ".safetensors")
+    assert names and all((last[0] / n).read_bytes() == (last[1] / n).read_bytes() for n in names)
+
+
 def test_engine_process_failure_is_one_line(tmp_path):
     """An engine that cannot be built (no checkpoint there) fails the run in one line naming the engine's process."""
     from spirl.core.rollout_engine import EngineProcess, RemoteEngine, RemoteEngineError

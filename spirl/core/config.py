@@ -383,6 +383,14 @@ class TrainConfig:
         return math.ceil(self.prompts_per_step * self.oversample - 1e-9)
 
     @property
+    def checks_after_update(self) -> bool:
+        """With --off-policy-steps and engines on GPUs of their own (one round of sampling a step): a rollout is
+        checked and scored after the trainer's optimizer step, on a copy of the weights that sampled it kept from
+        before that step, so the engine samples the next rollout meanwhile (spirl.loops.trainer.run_step). The
+        same numbers as checking it before the update; it costs the kept copy's memory."""
+        return bool(self.off_policy_steps and self.generation_gpus and not (self.filter or self.dynamic_sampling))
+
+    @property
     def lora(self) -> bool:
         """LoRA training (--lora-rank > 0 or --lora-init) rather than full fine-tuning."""
         return self.lora_rank > 0 or bool(self.lora_init)

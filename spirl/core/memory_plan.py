@@ -204,6 +204,8 @@ def estimate(args, cfg, gpu_total_bytes: int, max_seq_len: int | None = None,
         "vLLM": vllm,
         "overhead": OVERHEAD_BYTES,
     }
+    if getattr(cfg, "checks_after_update", False):  # the weights a rollout is checked on after the update
+        parts["weights kept for the check"] = int((4 if shards else c) * per_rank)
     if lora is not None:
         parts.update(_lora_parts(args, cfg, lora, c), **{"fp32 masters": 0, "reference": 0, "compute grads": 0})
     est = MemoryEstimate(parts, int(gpu_total_bytes), t)

@@ -101,6 +101,35 @@ class Policy:
             if isinstance(m, FSDPModule):
                 m.reshard()
 
+    def _forward_tensors(self):
+        """(name, tensor) of what the forward reads, as views: the compute model's parameters (sharded: this rank's
+        shards of the masters, which FSDP2 gathers and casts)."""
+        for name, p in self.model.named_parameters():
+            yield name, (p.to_local() if self.fsdp else p).detach()
+
+    @torch.no_grad()
+    def keep_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights the forward reads now (for `weights_of` after the optimizer has moved them)."""
+        return {name: t.clone() for name, t in self._forward_tensors()}
+
+    @contextmanager
+    def weights_of(self, kept: dict[str, torch.Tensor]):
+        """The model computing with `kept` (from keep_weights) inside the block, its own weights again after it:
+        the two are exchanged in place, tensor by tensor, and exchanged back."""
+        self._exchange(kept)
+        try:
+            yield
+        finally:
+            self.release_gathered()  # sharded: the gathered copy is of the kept weights
+            self._exchange(kept)
+
+    @torch.no_grad()
+    def _exchange(self, kept: dict[str, torch.Tensor]) -> None:
+        for name, t in self._forward_tensors():
+            held = t.clone()
+            t.copy_(kept[name])
+            kept[name].copy_(held)
+
     def reduce_grads(self) -> None:
         """Before the optimizer step: make the masters' gradients those of the loss over every rank's
         samples. Nothing to do on one process, nor under FSDP (its backward reduce-scatters them)."""

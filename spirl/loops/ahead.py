@@ -90,6 +90,11 @@ class Background:
             self._error = e
         self.seconds = time.perf_counter() - start
 
+    def join(self) -> None:
+        """Wait for a thread still computing (nothing else: no result, no error raised)."""
+        if self._thread is not None:
+            self._thread.join()
+
     def result(self):
         if self._thread is None:
             if self.fn is not None:

@@ -225,6 +225,15 @@ def collect(run: Run, step: int, times: dict, started=None) -> Rollout:
                    torch.cat([r.scored.per_func for r in rounds]), rounds[0].scored.names, report, metrics)
 
 
+def carry_open(run: Run, pr: PartialRound) -> None:
+    """--partial-rollout-tokens: the groups of every rank's round `pr` that have not ended become the carried ones,
+    in the order their prompts were drawn (collective). Read from the engine's output only, so a step may take
+    its share before this round is checked (spirl.loops.trainer: TrainConfig.checks_after_update)."""
+    every = run.world.gather((pr.groups, pr.ended))
+    run.partial.carried = sorted((grp for groups, ended in every for grp, e in zip(groups, ended) if not e),
+                                 key=lambda grp: grp.origin)
+
+
 def _collect_partial(run: Run, step: int, times: dict, started) -> Rollout:
     """--partial-rollout-tokens: one engine call for the new prompts and this rank's share of the carried groups;
     the groups that ended, of every rank in the order their prompts were drawn, are trained on (shared out as the
@@ -236,7 +245,7 @@ def _collect_partial(run: Run, step: int, times: dict, started) -> Rollout:
         rnd = sample_round(run, step, 0, draw(run, step), times, carried=run.partial.share(world))
     pr, g = rnd.partial, run.cfg.group_size
     kept = KeptGroups(g, [], step)
-    every_done, every_open = [], []
+    every_done = []
     for groups, ended, rewards, per_func in world.gather((pr.groups, pr.ended, rnd.scored.rewards,
                                                          rnd.scored.per_func)):
         j = 0
@@ -244,11 +253,9 @@ def _collect_partial(run: Run, step: int, times: dict, started) -> Rollout:
             if e:
                 every_done.append((grp.origin, grp, rewards[j:j + g], per_func[j:j + g]))
                 j += g
-            else:
-                every_open.append(grp)
     every_done.sort(key=lambda t: t[0])
     kept.groups = [(grp.samples, grp.metas, r, pf) for _, grp, r, pf in every_done]
-    run.partial.carried = sorted(every_open, key=lambda grp: grp.origin)
+    carry_open(run, pr)
     samples, metas, adv = kept.share(len(kept.groups), run.cfg, world)
     metrics = {**_sampled_metrics([rnd], world), **run.partial.scalars([grp for _, grp, _, _ in every_done])}
     return Rollout(samples, metas, adv, rnd.samples, rnd.metas, rnd.scored.rewards, rnd.scored.per_func,

@@ -56,6 +56,17 @@ def loop(run: Run) -> list[dict]:
     run.signals.graceful = True
     if cfg.eval_every and run.start == 0:  # the baseline: one eval before the first step
         run.logger.log_step(0, evaluate(run.engine, run.task, cfg, run.world, step=0), cfg.steps)
+    try:
+        _steps(run, history)
+    finally:
+        if run.begun is not None:  # a rollout begun for a step that will not run here: the engine done first
+            run.begun.abandon()
+            run.begun = None
+    return history
+
+
+def _steps(run: Run, history: list[dict]) -> None:
+    cfg = run.cfg
     for step in range(run.start + 1, cfg.steps + 1):
         run.progress.step = step
         scalars = _step(run, step)
@@ -66,12 +77,11 @@ def loop(run: Run) -> list[dict]:
             run.logger.log_step(step, scalars, cfg.steps)
             history.append(scalars)
             if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                save_checkpoint(run, step, run.source.position)
-            run.progress.done, run.progress.position = step, run.source.position
+                save_checkpoint(run, step, trainer.data_position(run))
+            run.progress.done, run.progress.position = step, trainer.data_position(run)
         if step < cfg.steps and _stop_requested(run):
             stop_early(run, f"after step {step}")
             break
-    return history
 
 
 def _stop_requested(run: Run) -> bool:

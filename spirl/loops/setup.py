@@ -107,6 +107,9 @@ class Run:
     checkpoint's)."""
     partial: object = None
     """--partial-rollout-tokens: the groups carried to the next step (spirl.loops.partial.PartialState)."""
+    begun: object = None
+    """A later step's rollout begun at the end of this one (spirl.loops.trainer.Following;
+    TrainConfig.checks_after_update), None otherwise."""
     filters: list = field(default_factory=list)
     """--dynamic-sampling's and --filter's group filters (spirl.loops.filters), in order; empty: every group kept."""
     first_scalars: dict = field(default_factory=dict)

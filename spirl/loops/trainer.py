@@ -20,7 +20,9 @@ Per step, in order (1-4: spirl/loops/rollout.py, in rounds with --dynamic-sampli
      most max_tokens_per_microbatch tokens, with the loss --loss-type names (spirl/loops/update.py);
   8. weight sync to the engine; metrics (the checkpoints: spirl/loops/run.py).
 With --off-policy-steps K (spirl/loops/ahead.py) steps 1-4 of step s + K run during step s: sampling beside
-steps 5-7, its parity check and rewards just before the first optimizer step (the weights that sampled it).
+steps 5-7, its parity check and rewards just before the first optimizer step (the weights that sampled it); with
+the engines on GPUs of their own, after step 8 instead, on a copy of those weights kept from before the update,
+while the engine samples step s + K + 1 (Following; TrainConfig.checks_after_update).
 With --partial-rollout-tokens C (spirl/loops/partial.py) step 2 samples at most C tokens per completion, continuing
 those carried from earlier steps; only the groups whose completions have all ended are scored and trained.
 
@@ -46,7 +48,7 @@ from ..core.distributed import even_slices
 from ..core.policy import sync_weights
 from ..numerics.parity import expert_load_scalars, sampled_logprobs
 from . import ahead
-from .rollout import Rollout, collect, draw, generate_round
+from .rollout import Rollout, carry_open, collect, draw, generate_round
 from .setup import Run
 from .timing import phase_metrics, timed
 from .loss import reward_std
@@ -135,7 +137,7 @@ def run_step(run: Run, step: int, stop=None) -> dict | None:
     ready = run.ahead.pop(step)
     if hasattr(run.engine, "sleep"):
         run.engine.sleep()  # free the KV cache while the trainer trains (--vllm-sleep; K = 0 only)
-    following = Following(run, step + k, step - 1, times) if k else None
+    following, run.begun = (run.begun or Following(run, step + k, step - 1)) if k else None, None
     out = {**ready.scalars, **ahead.staleness(ready, step, k)}
     world = run.world
     if not world.any(bool((ready.advantages != 0).any())):
@@ -143,9 +145,13 @@ def run_step(run: Run, step: int, stop=None) -> dict | None:
             log.warning(no_signal(step, out))
         out["skipped_update"] = 1.0
         if following is not None:
-            following.finish()
+            following.finish(times)
+    elif following is not None and run.cfg.checks_after_update:
+        out.update(train_on(run, ready, times, following.keep, lambda: following.generated(times)))
+        out["skipped_update"] = 0.0
+        following.after_update(step, times)
     else:
-        out.update(train_on(run, ready, times, None if following is None else following.finish))
+        out.update(train_on(run, ready, times, None if following is None else lambda: following.finish(times)))
         out["skipped_update"] = 0.0
     if following is not None:
         run.ahead.put(following.ready)
@@ -175,33 +181,70 @@ class Following:
     """The rollout of `step`, sampled during the step K before it trains (spirl.loops.ahead): its first round's
     prompts drawn now and its sampling begun beside the trainer (ahead.Background); `finish()`, called before
     the trainer's first optimizer update, waits for it and checks, scores and completes it (`sample_ahead`)
-    while the trainer still holds the weights it was sampled with."""
+    while the trainer still holds the weights it was sampled with.
 
-    def __init__(self, run, step: int, version: int, times: dict):
+    TrainConfig.checks_after_update (engines on GPUs of their own): `keep()` copies those weights before the
+    first update instead, `generated()` waits for the engine before the weight sync, and `after_update()` begins
+    the next rollout (the engine has the new weights) before this one is checked and scored on the kept copy:
+    the engine does not wait for the check, the optimizer step and the sync. The same numbers either way."""
+
+    def __init__(self, run, step: int, version: int):
+        self.position = run.source.position  # the data position before this draw (what a checkpoint records)
         run.source.begin(step)
         prompts = draw(run, step)
         threaded = bool(getattr(run.engine, "samples_beside_training", False))
         carried = run.partial.share(run.world) if run.cfg.partial_rollout_tokens else None  # taken now, not later
         self.started = ahead.Background(lambda: generate_round(run, step, 0, prompts, carried), threaded, run.device)
-        self.run, self.step, self.version, self.times = run, step, version, times
+        self.run, self.step, self.version = run, step, version
         self.ready: ahead.Ready | None = None
+        self.kept: dict | None = None
 
     @property
     def seconds(self) -> float:
         """How long the engine's sampling took (beside the trainer)."""
         return self.started.seconds
 
-    def finish(self) -> None:
+    def finish(self, times: dict) -> None:
         if self.ready is None:
-            self.ready = sample_ahead(self.run, self.step, self.version, self.times, self.started)
+            self.ready = sample_ahead(self.run, self.step, self.version, times, self.started)
             self.run.policy.release_gathered()  # the optimizer step follows: no stale gathered weights
 
+    def keep(self) -> None:
+        if self.kept is None:  # once, before the first update (train_on asks again when none was taken)
+            self.kept = self.run.policy.keep_weights()
 
-def train_on(run: Run, ro, times: dict, before_update=None) -> dict:
+    def generated(self, times: dict) -> None:
+        with timed(times, "rollout_wait"):  # the engine takes the new weights only once it is done
+            self.started.result()
+
+    def after_update(self, step: int, times: dict) -> None:
+        """After step `step`'s update and weight sync: the next rollout begun (unless the run ends, or an eval,
+        which uses the engine, follows this step), then this one checked and scored on the kept weights."""
+        run, cfg = self.run, self.run.cfg
+        if cfg.partial_rollout_tokens:  # the next rollout continues what this one left open
+            carry_open(run, self.started.result().partial)
+        if step < cfg.steps and not (cfg.eval_every and step % cfg.eval_every == 0):
+            run.begun = Following(run, step + 1 + cfg.off_policy_steps, step)
+        with run.policy.weights_of(self.kept):
+            self.finish(times)
+        self.kept = None
+
+    def abandon(self) -> None:
+        """The run stops with this rollout begun: wait for the engine (its result unused)."""
+        self.started.join()
+
+
+def data_position(run) -> int | None:
+    """The data position a checkpoint after the current step records: before a rollout begun for a later step."""
+    return run.begun.position if run.begun is not None else run.source.position
+
+
+def train_on(run: Run, ro, times: dict, before_update=None, before_sync=None) -> dict:
     """Train on the rollout `ro` (its .samples and .advantages): reference logprobs when there is a KL term,
     --updates-per-batch optimizer steps (one per mini-batch), then the weight sync to the engine. Returns the
     mini-batches' mean metrics; with --off-policy-steps, also the first mini-batch's ratio (offpolicy/*: before
-    this step's own updates). `before_update()`: called before the first optimizer step."""
+    this step's own updates). `before_update()`: called before the first optimizer step; `before_sync()`: before
+    the weight sync."""
     cfg, policy, device, samples, adv = run.cfg, run.policy, run.device, ro.samples, ro.advantages
     world = policy.world
     ref_lps = None
@@ -225,6 +268,8 @@ def train_on(run: Run, ro, times: dict, before_update=None) -> dict:
             agg[k] = agg.get(k, 0.0) + v / len(slices)
     if before_update is not None:  # no mini-batch had a sequence (no optimizer step): the engine is done first
         before_update()
+    if before_sync is not None:
+        before_sync()
     with timed(times, "weight_sync"):
         sync_weights(run.engine, policy, run.spec)
     return agg
