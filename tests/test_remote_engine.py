@@ -25,6 +25,13 @@ def _strip(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/", "triton/"))} for r in rows]
 
 
+def _same_tensor_files(a: Path, b: Path) -> bool:
+    """Two checkpoint directories hold the same .safetensors files (at least one), byte for byte."""
+    names = sorted(p.name for p in a.iterdir() if p.suffix == ".safetensors")
+    return bool(names) and names == sorted(p.name for p in b.iterdir() if p.suffix == ".safetensors") and \
+        all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
 @pytest.mark.parametrize("k", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_engine_in_its_separate_gpus_is_the_colocated_run(tiny_ckpt, tmp_path, caplog, k):
     """The same run with the engine in the trainer's process and in a process of its own: every scalar but times
@@ -38,10 +45,7 @@ def test_engine_in_its_separate_gpus_is_the_colocated_run(tiny_ckpt, tmp_path, c
     assert any("in a process of its own on cpu" in r.getMessage() for r in caplog.records)
     assert len(remote) == STEPS and _strip(remote) == _strip(colocated)
     assert all(r["parity/tokens_different"] == 0 and r["parity/tokens_compared"] > 0 for r in remote)
-    here, there = (tmp_path / "ck" / n / f"step_{STEPS:06d}" for n in ("here", "there"))
-    names = sorted(p.name for p in here.iterdir() if p.suffix == ".safetensors")
-    assert names and names == sorted(p.name for p in there.iterdir() if p.suffix == ".safetensors")
-    assert all((here / n).read_bytes() == (there / n).read_bytes() for n in names)
+    assert _same_tensor_files(*(tmp_path / "ck" / n / f"step_{STEPS:06d}" for n in ("here", "there")))
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -87,10 +91,9 @@ def test_next_rollout_begun_before_the_check_keeps_data_order_and_resumes(tiny_c
     monkeypatch.setattr(checkpoint, "KEEP", 4)
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(13)))
     (tmp_path / "rewards.py").write_text(REWARD)
-    kw = dict(task="arith", dataset=str(tmp_path / "data.jsonl"), reward=(f"{tmp_path / 'rewards.py'}:last_token_odd",),
+    kw = dict(dataset=str(tmp_path / "data.jsonl"), reward=(f"{tmp_path / 'rewards.py'}:last_token_odd",),
               eval_dataset=str(tmp_path / "data.jsonl"), eval_every=2, eval_size=2, steps=4, checkpoint_every=1,
-              off_policy_steps=1)
-    kw["task"] = TrainConfig.task
+              off_policy_steps=1, task=TrainConfig.task)  # the base's synthetic task gives way to the dataset
     assert _cfg(tiny_ckpt, tmp_path, "x", generation_gpus=1, **kw).checks_after_update
     here = train(_cfg(tiny_ckpt, tmp_path, "here", **kw))
     there = train(_cfg(tiny_ckpt, tmp_path, "there", generation_gpus=1, **kw))
@@ -106,9 +109,7 @@ def test_next_rollout_begun_before_the_check_keeps_data_order_and_resumes(tiny_c
 
     assert [position("there", s) for s in range(1, 5)] == [position("here", s) for s in range(1, 5)]
     assert position("again", 4) == position("there", 4)
-    last = [tmp_path / "ck" / n / "step_000004" for n in ("there", "again")]
-    names = sorted(p.name for p in last[0].iterdir() if p.suffix == ".safetensors")
-    assert names and all((last[0] / n).read_bytes() == (last[1] / n).read_bytes() for n in names)
+    assert _same_tensor_files(*(tmp_path / "ck" / n / "step_000004" for n in ("there", "again")))
 
 
 def test_stop_with_the_next_rollout_begun_checkpoints_and_resumes(tiny_ckpt, tmp_path, monkeypatch, caplog):
@@ -126,9 +127,7 @@ def test_stop_with_the_next_rollout_begun_checkpoints_and_resumes(tiny_ckpt, tmp
     monkeypatch.undo()
     resumed = train(_cfg(tiny_ckpt, tmp_path, "stopped", resume=str(tmp_path / "ck" / "stopped"), **kw))
     assert _strip(resumed) == _strip(full)[2:]
-    last = [tmp_path / "ck" / n / "step_000004" for n in ("full", "stopped")]
-    names = sorted(p.name for p in last[0].iterdir() if p.suffix == ".safetensors")
-    assert names and all((last[0] / n).read_bytes() == (last[1] / n).read_bytes() for n in names)
+    assert _same_tensor_files(*(tmp_path / "ck" / n / "step_000004" for n in ("full", "stopped")))
 
 
 def test_engine_process_failure_is_one_line(tmp_path):

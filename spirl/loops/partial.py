@@ -113,6 +113,8 @@ class PartialState:
 
     def __init__(self, carried: list[Carried] | None = None):
         self.carried = list(carried or [])
+        self.settled = None
+        """The round `carried` was last taken from (spirl.loops.rollout.carry_open), None before any."""
 
     def share(self, world: World) -> list[Carried]:
         """This rank's contiguous share of the carried groups to continue this step."""

@@ -228,7 +228,11 @@ def collect(run: Run, step: int, times: dict, started=None) -> Rollout:
 def carry_open(run: Run, pr: PartialRound) -> None:
     """--partial-rollout-tokens: the groups of every rank's round `pr` that have not ended become the carried ones,
     in the order their prompts were drawn (collective). Read from the engine's output only, so a step may take
-    its share before this round is checked (spirl.loops.trainer: TrainConfig.checks_after_update)."""
+    its share before this round is checked (spirl.loops.trainer: TrainConfig.checks_after_update); once per round
+    (asked again when the round is collected)."""
+    if run.partial.settled is pr:
+        return
+    run.partial.settled = pr
     every = run.world.gather((pr.groups, pr.ended))
     run.partial.carried = sorted((grp for groups, ended in every for grp, e in zip(groups, ended) if not e),
                                  key=lambda grp: grp.origin)

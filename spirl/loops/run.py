@@ -76,9 +76,10 @@ def _steps(run: Run, history: list[dict]) -> None:
         with run.signals.deferred():  # a step's log line and its checkpoint are written whole
             run.logger.log_step(step, scalars, cfg.steps)
             history.append(scalars)
+            position = trainer.data_position(run)
             if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                save_checkpoint(run, step, trainer.data_position(run))
-            run.progress.done, run.progress.position = step, trainer.data_position(run)
+                save_checkpoint(run, step, position)
+            run.progress.done, run.progress.position = step, position
         if step < cfg.steps and _stop_requested(run):
             stop_early(run, f"after step {step}")
             break
