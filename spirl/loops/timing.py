@@ -28,11 +28,15 @@ def timed(times: dict, key: str):
 
 def phase_metrics(times: dict, world=None) -> dict[str, float]:
     """time/<phase> seconds and memory/peak_gib/<phase> from what `timed` collected; on several ranks
-    (`world`, spirl.core.distributed.World; collective) the peak is the busiest GPU's, the times this rank's."""
-    if world is not None and world.sharded:
-        peaks = world.gather({k: v for k, v in times.items() if k.startswith("peak:")})
-        times = {**times, **{k: max(p.get(k, 0.0) for p in peaks) for k in peaks[0]}}
+    (`world`, spirl.core.distributed.World; collective) the peak is the busiest GPU's, the times this rank's,
+    and time/max/<phase> the slowest rank's (a rank that waits for another at a collective spends the
+    difference in no phase of its own)."""
     out = {}
+    if world is not None and world.sharded:
+        every = world.gather(dict(times))
+        keys = {k for t in every for k in t}
+        times = {**times, **{k: max(t.get(k, 0.0) for t in every) for k in keys if k.startswith("peak:")}}
+        out.update({f"time/max/{k}": max(t.get(k, 0.0) for t in every) for k in keys if not k.startswith("peak:")})
     for k, v in times.items():
         out[f"memory/peak_gib/{k[5:]}" if k.startswith("peak:") else f"time/{k}"] = v
     return out

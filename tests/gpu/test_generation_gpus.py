@@ -24,19 +24,22 @@ def _run(ckpt, root: Path, name: str, *extra: str) -> list[dict]:
            "--prompts-per-step", "8", "--group-size", "4", "--max-new-tokens", "64", "--off-policy-steps", "1",
            "--gpu-memory-utilization", "0.3", "--out-dir", str(root / "runs"), "--checkpoint-dir", str(root / "ck"),
            "--run-name", name, *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # keep what the host adds
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env={**os.environ, "PYTHONPATH": path})
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(line) for line in (root / "runs" / name / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_engine_on_its_own_gpu_is_the_colocated_run(gpu_06b_4layer_ckpt, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--partial-rollout-tokens", "24")], ids=["whole", "partial"])
+def test_engine_on_its_own_gpu_is_the_colocated_run(gpu_06b_4layer_ckpt, tmp_path, extra):
+    """With its own GPU the engine's rollout is checked after the update, on weights kept from before it
+    (TrainConfig.checks_after_update); with partial rollouts the carried groups are read before that check."""
     assert torch.cuda.get_device_name(0) == torch.cuda.get_device_name(1)
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/", "triton/"))}  # noqa: E731
                           for r in rows]
-    here = _run(gpu_06b_4layer_ckpt, tmp_path, "here")
-    there = _run(gpu_06b_4layer_ckpt, tmp_path, "there", "--generation-gpus", "1")
+    here = _run(gpu_06b_4layer_ckpt, tmp_path, "here", *extra)
+    there = _run(gpu_06b_4layer_ckpt, tmp_path, "there", "--generation-gpus", "1", *extra)
     assert strip(there) == strip(here) and all(r["parity/tokens_different"] == 0 for r in there)
     a, b = (tmp_path / "ck" / n / "step_000003" for n in ("here", "there"))
     for f in ("model.safetensors", "optimizer.safetensors", "rollouts.safetensors"):
