@@ -9,6 +9,8 @@
     VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --ranks 1 --split 1 --trl 1,2  # + TRL
     VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --split 1 --colocated 0 --partial 0,384 \
         --trl 2 --repeat 0   # the 1 + 1 run without and with partial rollouts of 384 tokens, and TRL on 2 GPUs
+    VLLM_BATCH_INVARIANT=1 python compare/offpolicy_bench.py --out /tmp/offp --split 1 --colocated 0 --partial 0,384 \
+        --trl 2 --trl-server 1 --repeat 0   # + TRL's server mode and AsyncGRPOTrainer on 1 + 1 GPUs
 
 For each R of --ranks: simple_rl.py on R trainer ranks (R = 1: one process; else torchrun, FSDP2, each rank's engine
 beside it) with --off-policy-steps 0, then K (for the first R, K once more with --repeat 1); and for each R of
@@ -19,7 +21,9 @@ each K run's throughput against the synchronous run on as many trainer ranks and
 run, parity totals, the offpolicy/* means, and whether the repeat and each split run equal their colocated K run
 in every scalar but times and memory. For each G of --trl, TRL's GRPOTrainer (compare/trl_grpo.py, plain vLLM
 colocated, `accelerate launch` on several GPUs) runs the same model, prompts and shape on G GPUs, and each SPIRL run on
-G GPUs (R trainer ranks, or R + R with --generation-gpus) is printed against it. With --partial C1,C2 every SPIRL
+G GPUs (R trainer ranks, or R + R with --generation-gpus) is printed against it; for each R of --trl-server, TRL
+with a vLLM server on a GPU of its own (R trainer GPUs + 1, compare/trl_server.py): GRPOTrainer's server mode and
+AsyncGRPOTrainer with max_staleness K, the layout SPIRL's 1 + 1 split is compared with. With --partial C1,C2 every SPIRL
 run is made once per C with --partial-rollout-tokens C (names suffixed -pC; 0: without), and --colocated 0 leaves
 out the colocated runs of the rank counts in --split. Exit status 1 if a run failed, a token differed or a run that
 should equal another did not.
@@ -62,6 +66,9 @@ def _args(argv):
     p.add_argument("--skip", type=int, default=1, help="steps left out of the medians (compiles)")
     p.add_argument("--trl", default="0",
                    help="comma-separated GPU counts to run TRL's GRPOTrainer on, as the anchor; 0: none")
+    p.add_argument("--trl-server", default="0",
+                   help="comma-separated trainer GPU counts R: TRL's GRPOTrainer in server mode and AsyncGRPOTrainer "
+                        "(max_staleness = --k) on R trainer GPUs with a vLLM server on one more (R + 1); 0: none")
     p.add_argument("--trl-args", default="", help="flags for every TRL run (compare/trl_grpo.py), e.g. --micro-batch 4")
     p.add_argument("--partial", default="0",
                    help="comma-separated --partial-rollout-tokens budgets C: every SPIRL run once per C (0: without)")
@@ -74,10 +81,11 @@ def _args(argv):
         a.ranks = [int(r) for r in a.ranks.split(",")]
         a.split = [int(r) for r in a.split.split(",") if int(r)]
         a.trl = sorted({int(g) for g in a.trl.split(",") if int(g)})
+        a.trl_server = sorted({int(g) for g in a.trl_server.split(",") if int(g)})
         a.partial = list(dict.fromkeys(int(c) for c in a.partial.split(",")))
     except ValueError:
-        p.error("--ranks, --split, --trl and --partial take counts separated by commas, e.g. 1,2")
-    if not a.ranks or min(a.ranks + a.trl) < 1 or not set(a.split) <= set(a.ranks) or min(a.partial) < 0:
+        p.error("--ranks, --split, --trl, --trl-server and --partial take counts separated by commas, e.g. 1,2")
+    if not a.ranks or min(a.ranks + a.trl + a.trl_server) < 1 or not set(a.split) <= set(a.ranks) or min(a.partial) < 0:
         p.error(f"--ranks {a.ranks}, --split {a.split}, --trl {a.trl}, --partial {a.partial}: counts >= 1 "
                 "(--partial's >= 0), and --split's among --ranks'")
     if not a.colocated and not a.split:
@@ -138,21 +146,26 @@ def _gpus(ranks: int, extra: tuple[str, ...]) -> int:
     return 2 * ranks if "--generation-gpus" in extra else ranks
 
 
-def run_trl(a) -> dict[int, float]:
-    """TRL's median step on each GPU count of --trl (compare/trl_grpo.py, same model and shape)."""
+def run_trl(a) -> dict[str, tuple[int, float]]:
+    """TRL's median step, by label: on each GPU count G of --trl GRPOTrainer with vLLM colocated ("G"), and for
+    each R of --trl-server GRPOTrainer's server mode ("server-R+1") and AsyncGRPOTrainer ("async-R+1") with a
+    vLLM server on GPU R (compare/trl_grpo.py, same model and shape). Values: (GPUs, seconds)."""
     from compare.trl_grpo import launch
     from spirl.core.preflight import resolve_model
 
     model = str(resolve_model(a.model, str(Path(a.out) / "ck")))  # the directory simple_rl.py wrote a random: to
+    todo = [(str(g), g, g, "colocate") for g in a.trl]
+    todo += [(f"{lay}-{r}+1", r, r + 1, lay) for r in a.trl_server for lay in ("server", "async")]
     times = {}
-    for gpus in a.trl:
-        step, line = launch(model, gpus, Path(a.out) / f"trl{_tag(gpus)}", prompts_per_step=a.prompts_per_step,
+    for label, trainer_gpus, gpus, layout in todo:
+        name = f"trl{_tag(gpus)}" if layout == "colocate" else f"trl-{label}"
+        step, line = launch(model, trainer_gpus, Path(a.out) / name, prompts_per_step=a.prompts_per_step,
                             group_size=a.group_size, max_new_tokens=a.max_new_tokens, steps=a.steps, skip=a.skip,
-                            extra=tuple(shlex.split(a.trl_args)))
-        print(f"trl{_tag(gpus)}: {line}", flush=True)
+                            extra=tuple(shlex.split(a.trl_args)), layout=layout, max_staleness=a.k)
+        print(f"{name}: {line}", flush=True)
         if step is None:
             raise SystemExit(1)
-        times[gpus] = step
+        times[label] = (gpus, step)
     return times
 
 
@@ -189,10 +202,12 @@ def main(argv=None) -> int:
     trl = run_trl(a)
     to_trl = {}
     for n, _, r, extra in runs:
-        gpus = _gpus(r, extra)
-        if gpus in trl:
-            to_trl[n] = step[n] / trl[gpus]
-            print(f"{n} on {gpus} GPU(s): step {step[n]:.3f} s, TRL's {trl[gpus]:.3f} s: SPIRL / TRL x{to_trl[n]:.2f}")
+        for label, (gpus, trl_step) in trl.items():
+            if gpus == _gpus(r, extra):
+                key = n if label == str(gpus) else f"{n} / {label}"
+                to_trl[key] = step[n] / trl_step
+                print(f"{n} on {gpus} GPU(s): step {step[n]:.3f} s, TRL's {trl_step:.3f} s"
+                      f"{'' if label == str(gpus) else f' ({label})'}: SPIRL / TRL x{to_trl[key]:.2f}")
     first_k = next(n for n, k, *_ in runs if k)
     for key in ("offpolicy/staleness", "offpolicy/ratio_mean", "offpolicy/ratio_std", "offpolicy/ratio_clipped_frac"):
         vals = [row[key] for row in steps[first_k].values() if key in row]
@@ -200,7 +215,7 @@ def main(argv=None) -> int:
             print(f"{key}: mean {statistics.fmean(vals):.4f} over {len(vals)} steps ({first_k})")
     print(json.dumps({"step_s": {n: step[n] for n in names}, "ratio_to_" + base: {n: v / step[base]
                                                                                for n, v in out.items()},
-                      "trl_step_s": trl, "ratio_to_trl": to_trl}))
+                      "trl_step_s": {label: t for label, (_, t) in trl.items()}, "ratio_to_trl": to_trl}))
     return 1 if bad else 0
 
 
