@@ -49,6 +49,21 @@ def dataset_rows(task, steps: int, prompts_per_step: int, seed: int) -> list[dic
     return rows
 
 
+PASS_THROUGH_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+"""A chat template that renders the messages' text as it is (the prompt text is chat-templated already)."""
+
+
+def as_conversations(rows: list[dict], tokenizer):
+    """AsyncGRPOTrainer renders every prompt through the tokenizer's chat template: each row's prompt text (the
+    task's chat-templated prompt, decoded) as one user message, and a copy of the tokenizer whose template renders
+    it as it is, so the server gets the ids TRL's GRPOTrainer tokenizes from the same text."""
+    import copy
+
+    rendered = copy.deepcopy(tokenizer)
+    rendered.chat_template = PASS_THROUGH_TEMPLATE
+    return [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows], rendered
+
+
 class TaskReward:
     """The task's reward on the completion ids TRL passes to reward functions; picklable (AsyncGRPOTrainer scores
     in a spawned process), the task built on first use from its name and the checkpoint's tokenizer."""
@@ -216,10 +231,12 @@ def main(argv=None) -> int:
     else:
         from trl import GRPOTrainer as Trainer
     config, peft_config = trainer_args(a, batch, world, cuda)
-    rows = dataset_rows(task, a.steps, a.prompts_per_step, a.seed)
+    rows, tokenizer = dataset_rows(task, a.steps, a.prompts_per_step, a.seed), task.tokenizer
+    if a.trainer == "async":
+        rows, tokenizer = as_conversations(rows, tokenizer)
     clock = step_clock(cuda, between_ends=a.trainer == "async")
     trainer = Trainer(model=a.model, reward_funcs=TaskReward(a.task, a.model), args=config,
-                      train_dataset=Dataset.from_list(rows), processing_class=task.tokenizer, peft_config=peft_config,
+                      train_dataset=Dataset.from_list(rows), processing_class=tokenizer, peft_config=peft_config,
                       callbacks=[clock])
     if cuda:
         torch.cuda.reset_peak_memory_stats()

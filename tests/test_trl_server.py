@@ -107,3 +107,20 @@ def test_task_reward_survives_pickling_as_the_spawned_scorer_gets_it(tiny_ckpt):
     assert again.task is None and again.__name__ == "arith_reward"
     assert again(prompts=[], completions=[], completion_ids=ids, meta=metas) == first
     assert first == [task.reward(list(i), json.loads(m)) for i, m in zip(ids, metas)]
+
+
+def test_async_rows_render_to_the_tasks_prompt_ids(tiny_ckpt):
+    """AsyncGRPOTrainer's rollout renders each row's messages with the chat template and sends those ids."""
+    from spirl.core.preflight import load_checked_tokenizer
+    from spirl.loops.prompts import DataCursor, PromptSource
+    from spirl.tasks import get_task
+
+    task = get_task("arith", load_checked_tokenizer(tiny_ckpt))
+    rows, tokenizer = trl_grpo.as_conversations(trl_grpo.dataset_rows(task, 2, 3, 0), task.tokenizer)
+    source, want = PromptSource(task, 0, DataCursor()), []
+    for step in (1, 2):
+        source.begin(step)
+        want += [ids for ids, _ in source.draw(3)]
+    got = [list(tokenizer.apply_chat_template(r["prompt"], return_dict=False, add_generation_prompt=True))
+           for r in rows]
+    assert got == want and task.tokenizer.chat_template != tokenizer.chat_template  # the task's own is untouched
