@@ -86,7 +86,8 @@ def _args(argv):
     except ValueError:
         p.error("--ranks, --split, --trl, --trl-server and --partial take counts separated by commas, e.g. 1,2")
     if not a.ranks or min(a.ranks + a.trl + a.trl_server) < 1 or not set(a.split) <= set(a.ranks) or min(a.partial) < 0:
-        p.error(f"--ranks {a.ranks}, --split {a.split}, --trl {a.trl}, --partial {a.partial}: counts >= 1 "
+        p.error(f"--ranks {a.ranks}, --split {a.split}, --trl {a.trl}, --trl-server {a.trl_server}, --partial "
+                f"{a.partial}: counts >= 1 "
                 "(--partial's >= 0), and --split's among --ranks'")
     if not a.colocated and not a.split:
         p.error("--colocated 0 leaves only the --split runs: name at least one with --split R")
@@ -204,10 +205,11 @@ def main(argv=None) -> int:
     for n, _, r, extra in runs:
         for label, (gpus, trl_step) in trl.items():
             if gpus == _gpus(r, extra):
-                key = n if label == str(gpus) else f"{n} / {label}"
+                colocated = label == str(gpus)  # GRPOTrainer with vLLM in each process: the runs' plain key
+                key = n if colocated else f"{n} / {label}"
                 to_trl[key] = step[n] / trl_step
                 print(f"{n} on {gpus} GPU(s): step {step[n]:.3f} s, TRL's {trl_step:.3f} s"
-                      f"{'' if label == str(gpus) else f' ({label})'}: SPIRL / TRL x{to_trl[key]:.2f}")
+                      f"{'' if colocated else f' ({label})'}: SPIRL / TRL x{to_trl[key]:.2f}")
     first_k = next(n for n, k, *_ in runs if k)
     for key in ("offpolicy/staleness", "offpolicy/ratio_mean", "offpolicy/ratio_std", "offpolicy/ratio_clipped_frac"):
         vals = [row[key] for row in steps[first_k].values() if key in row]

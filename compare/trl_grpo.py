@@ -66,10 +66,11 @@ def as_conversations(rows: list[dict], tokenizer):
 
 class TaskReward:
     """The task's reward on the completion ids TRL passes to reward functions; picklable (AsyncGRPOTrainer scores
-    in a spawned process), the task built on first use from its name and the checkpoint's tokenizer."""
+    in a spawned process): pickled without the task, which the unpickled copy builds on first use from its name
+    and the checkpoint's tokenizer. `task`: the task already built in this process, if any."""
 
-    def __init__(self, task: str, model: str):
-        self.task_name, self.model, self.task = task, model, None
+    def __init__(self, task: str, model: str, built=None):
+        self.task_name, self.model, self.task = task, model, built
         self.__name__ = f"{task}_reward"
 
     def __getstate__(self):
@@ -88,9 +89,10 @@ def trainer_args(a, batch: int, world: int, cuda: bool):
     """TRL's GRPOConfig (AsyncGRPOConfig with --trainer async) for the arguments `a` (one optimizer step per batch
     of `batch` samples over `world` processes), and PEFT's LoraConfig with --lora-rank (else None)."""
     common = dict(output_dir=a.out, max_steps=a.steps, learning_rate=a.lr, seed=a.seed, num_generations=a.group_size,
-                  per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=batch // (a.micro_batch * world),
-                  max_completion_length=a.max_new_tokens, temperature=1.0, lr_scheduler_type="constant", bf16=cuda,
-                  gradient_checkpointing=cuda, report_to="none", logging_steps=1, save_strategy="no")
+                  per_device_train_batch_size=a.micro_batch,
+                  gradient_accumulation_steps=batch // (a.micro_batch * world), max_completion_length=a.max_new_tokens,
+                  temperature=1.0, lr_scheduler_type="constant", bf16=cuda, gradient_checkpointing=cuda,
+                  report_to="none", logging_steps=1, save_strategy="no")
     if a.trainer == "async":
         from trl.experimental.async_grpo import AsyncGRPOConfig
 
@@ -117,8 +119,9 @@ def launch(model: str, gpus: int, out: Path, *, prompts_per_step: int, group_siz
     prompts shared), plain vLLM (VLLM_BATCH_INVARIANT=0), the log in <out>.log. `layout`: "colocate" (vLLM in each
     process), "server" (GRPOTrainer) or "async" (AsyncGRPOTrainer, `max_staleness`) with a vLLM server on the GPU
     after the trainer's `gpus` (compare/trl_server.py; its log <out>-server.log; its context 1,024 tokens past
-    the completions, at least 4,096: AsyncGRPOTrainer's micro-batch rows are that long by default). Returns (its median step in
-    seconds, its summary line), or (None, the log's tail) if it failed. `model`: a directory (TRL reads one)."""
+    the completions, at least 4,096: AsyncGRPOTrainer's micro-batch rows are that long by default). Returns (its
+    median step in seconds, its summary line), or (None, the log's tail) if it failed. `model`: a directory (TRL
+    reads one)."""
     import shlex
     import subprocess
     from contextlib import nullcontext
@@ -235,7 +238,7 @@ def main(argv=None) -> int:
     if a.trainer == "async":
         rows, tokenizer = as_conversations(rows, tokenizer)
     clock = step_clock(cuda, between_ends=a.trainer == "async")
-    trainer = Trainer(model=a.model, reward_funcs=TaskReward(a.task, a.model), args=config,
+    trainer = Trainer(model=a.model, reward_funcs=TaskReward(a.task, a.model, task), args=config,
                       train_dataset=Dataset.from_list(rows), processing_class=tokenizer, peft_config=peft_config,
                       callbacks=[clock])
     if cuda:

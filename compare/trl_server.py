@@ -5,8 +5,8 @@ their own (`--generation-gpus`).
 The command is TRL's own (`trl vllm-serve`'s `build_command`: `vllm serve MODEL` with the NCCL weight-transfer
 engine, processed logprobs and no logprob cap), run with `VLLM_SERVER_DEV_MODE=1` (the weight-transfer endpoints),
 plain vLLM (`VLLM_BATCH_INVARIANT=0`) and vLLM's default engine-core process (`VLLM_ENABLE_V1_MULTIPROCESSING=1`,
-whatever the environment sets for in-process engines). `serve()` starts it, waits until `/health` answers, yields its URL and
-stops it; a server that exits or does not answer in time is one error line with its log's tail.
+whatever the environment sets for in-process engines). `serve()` starts it, waits until `/health` answers, yields
+its URL and stops it; a server that exits or does not answer in time is one error line with its log's tail.
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ def serve(cmd: list[str], gpus: str, log: Path, port: int, timeout_s: float = 90
     group, then SIGKILL after 30 s) on the way out."""
     url = f"http://127.0.0.1:{port}"
     if _healthy(url):
-        raise SystemExit(f"error: something already answers on {url}; stop it or pick another --server-port")
+        raise SystemExit(f"error: something already answers on {url}; stop it, or start this server on another port")
     log.parent.mkdir(parents=True, exist_ok=True)
     run_env = {**os.environ, **(env or {}), "CUDA_VISIBLE_DEVICES": gpus, "VLLM_SERVER_DEV_MODE": "1",
-               "VLLM_BATCH_INVARIANT": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the server's engine core: a process
+               "VLLM_BATCH_INVARIANT": "0",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the server's engine core in a process of its own
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
     try:
