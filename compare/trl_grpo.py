@@ -56,10 +56,14 @@ PASS_THROUGH_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 def as_conversations(rows: list[dict], tokenizer):
     """AsyncGRPOTrainer renders every prompt through the tokenizer's chat template: each row's prompt text (the
     task's chat-templated prompt, decoded) as one user message, and a copy of the tokenizer whose template renders
-    it as it is, so the server gets the ids TRL's GRPOTrainer tokenizes from the same text."""
+    it as it is, so the server gets the ids TRL's GRPOTrainer tokenizes from the same text. The copy keeps the
+    response parser TRL sets for the tokenizer's own template (its rollout worker refuses a template it does not
+    know unless one is set)."""
     import copy
 
-    rendered = copy.deepcopy(tokenizer)
+    from trl.chat_template_utils import add_response_schema
+
+    rendered = add_response_schema(copy.deepcopy(tokenizer))  # matched on the tokenizer's own template
     rendered.chat_template = PASS_THROUGH_TEMPLATE
     return [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows], rendered
 

@@ -124,3 +124,9 @@ def test_async_rows_render_to_the_tasks_prompt_ids(tiny_ckpt):
     got = [list(tokenizer.apply_chat_template(r["prompt"], return_dict=False, add_generation_prompt=True))
            for r in rows]
     assert got == want and task.tokenizer.chat_template != tokenizer.chat_template  # the task's own is untouched
+    # what the rollout worker's process gets: TRL's response parser for Qwen3's template travels with the copy
+    # (the worker refuses the pass-through template otherwise)
+    sent = pickle.loads(pickle.dumps(tokenizer))
+    assert sent.chat_template == trl_grpo.PASS_THROUGH_TEMPLATE
+    assert getattr(sent, "response_template", None) or getattr(sent, "response_schema", None)
+    assert not getattr(task.tokenizer, "response_template", None)
