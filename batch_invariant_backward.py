@@ -11,9 +11,9 @@ give bitwise-identical gradients.
 Precision and speed: on CUDA with bf16/fp16 activations (training), every GEMM of a backward
 (dX, dW of each linear and of lm_head) is a bf16 tensor-core GEMM with fp32 accumulation
 (cuBLAS: a fixed algorithm for fixed shapes, hence fixed bits), and the attention backward is
-the Triton kernel of `kernels/attention_backward.py` (separate dK/dV and dQ passes, no atomics),
+the Triton kernel of `spirl_kernels/attention_backward.py` (separate dK/dV and dQ passes, no atomics),
 and the row-wise backwards (RMSNorm, SiLU-and-mul, rotary, the logprob/entropy over the vocabulary)
-are single-pass Triton kernels (`kernels/pointwise_backward.py`, `kernels/logprob_backward.py`)
+are single-pass Triton kernels (`spirl_kernels/pointwise_backward.py`, `spirl_kernels/logprob_backward.py`)
 doing the math written in each Function's docstring in fp32 registers. Elsewhere (CPU, float32/float64 models, the
 gradient checks) every backward is computed in float32 (float64 for float64 inputs). Gradients
 are cast back to the dtype of the input they belong to.
@@ -125,8 +125,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 def _rms_norm_grads(x, weight, grad_out, eps: float, need_dx: bool = True, need_dw: bool = True):
     """(dx, dw) of y = rms_norm(x) * weight (RMSNormFunction's math), None where not needed."""
-    if on_tensor_cores(x):  # one fused pass (kernels.pointwise_backward), same math
-        from kernels.pointwise_backward import rms_norm_backward
+    if on_tensor_cores(x):  # one fused pass (spirl_kernels.pointwise_backward), same math
+        from spirl_kernels.pointwise_backward import rms_norm_backward
 
         dx, dw = rms_norm_backward(x, weight, grad_out, eps)
         return dx, dw.to(weight.dtype)
@@ -181,8 +181,8 @@ class SiluAndMulFunction(torch.autograd.Function):
 
 def silu_and_mul_grad(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     """dL/dx of out = silu_and_mul(x) (SiluAndMulFunction's math), in x's dtype."""
-    if on_tensor_cores(x):  # one fused pass (kernels.pointwise_backward), same math
-        from kernels.pointwise_backward import swiglu_backward
+    if on_tensor_cores(x):  # one fused pass (spirl_kernels.pointwise_backward), same math
+        from spirl_kernels.pointwise_backward import swiglu_backward
 
         return swiglu_backward(x, grad_out)
     cdt = compute_dtype(x.dtype)
@@ -382,7 +382,7 @@ def _rotary_grad(grad, positions, cos_sin_cache, dtype):
     if grad is None:
         return None
     if _fused_rotary(grad, dtype):
-        from kernels.pointwise_backward import rotary_backward
+        from spirl_kernels.pointwise_backward import rotary_backward
 
         return rotary_backward(grad, positions, cos_sin_cache, dtype)
     cos, sin = _cos_sin(cos_sin_cache, positions, dtype)
@@ -509,7 +509,7 @@ class AttentionFunction(torch.autograd.Function):
     then dK, dV of the Hq/Hk query heads sharing a kv head are summed. Accumulation is in
     float32 (float64 for float64 inputs).
     On a GPU in bf16/fp16 with a head dim it is tuned for, the same math runs fused in Triton
-    (`kernels.attention_backward`: tensor cores, fp32 accumulation, no atomics, one writer per
+    (`spirl_kernels.attention_backward`: tensor cores, fp32 accumulation, no atomics, one writer per
     output element); the loop above is the reference for everything else.
     """
 
@@ -524,7 +524,7 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         if fused_attention_backward_supported(q):
-            from kernels.attention_backward import attention_backward
+            from spirl_kernels.attention_backward import attention_backward
 
             dq, dk, dv = attention_backward(q, k, v, out, grad_out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
             return dq, dk, dv, None, None, None, None, None
@@ -557,7 +557,7 @@ def fused_attention_backward_supported(q: torch.Tensor) -> bool:
     """The Triton backward runs: tensor-core dtype on a GPU, and a head dim it has a config for."""
     if not on_tensor_cores(q):
         return False
-    from kernels.attention_backward import CONFIGS
+    from spirl_kernels.attention_backward import CONFIGS
 
     return q.shape[-1] in CONFIGS
 
@@ -641,7 +641,7 @@ def _entropy_of(z: torch.Tensor) -> torch.Tensor:
     """Entropy per row of softmax(z): one Triton pass per row on a GPU (row-wise, so the same bits
     whatever the chunking), PyTorch elsewhere."""
     if on_tensor_cores(z):
-        from kernels.logprob_backward import entropy
+        from spirl_kernels.logprob_backward import entropy
 
         return entropy(z)
     return _entropy(*_log_softmax_and_probs(z))
@@ -709,7 +709,7 @@ class LMHeadLogprobsFunction(torch.autograd.Function):
         for sl in _row_chunks(h.shape[0], weight.shape[0]):
             z = _chunk_forward(h[sl], weight, ids[sl], ctx.temperature, ctx.min_p, ctx.backend)
             if on_tensor_cores(z):  # the same math in one Triton pass per row
-                from kernels.logprob_backward import logprob_backward
+                from spirl_kernels.logprob_backward import logprob_backward
 
                 dlogits = logprob_backward(z, ids[sl], None if grad_lp is None else grad_lp[sl],
                                            None if grad_ent is None else grad_ent[sl], 1.0 / ctx.temperature)

@@ -12,7 +12,7 @@ Each engine runs in its own process (vLLM reads VLLM_BATCH_INVARIANT at import):
               its patches, its default CUDA-graph mode); `ours:MODE` picks another mode
               (none = eager, full, full_decode_only, piecewise), `ours@MAX` other capture
               sizes (`engine_options`: e.g. ours@1024; ours@vllm: vLLM's own), `ours+triton` every
-              GEMM on the Triton kernel (SPIRL_GEMM_CUBLAS=0: kernels/gemm_cublas.py; the same bits).
+              GEMM on the Triton kernel (SPIRL_GEMM_CUBLAS=0: spirl_kernels/gemm_cublas.py; the same bits).
               On a Qwen3-MoE it returns every token's experts, as training runs it (the trainer checks them);
               `ours-routes` is the same engine without them, to show what returning them costs
   plain       vllm.LLM with VLLM_BATCH_INVARIANT=0 and vLLM's defaults (torch.compile + CUDA graphs):
@@ -78,8 +78,8 @@ it is killed; the cell in flight is then recorded as failed."""
 
 
 TRITON_ONLY = "+triton"
-"""Engine-name suffix: the engine's GEMMs all on kernels.gemm's Triton kernels (SPIRL_GEMM_CUBLAS=0), not on cuBLAS
-where kernels.gemm_cublas finds it gives their bits."""
+"""Engine-name suffix: the engine's GEMMs all on spirl_kernels.gemm's Triton kernels (SPIRL_GEMM_CUBLAS=0), not on cuBLAS
+where spirl_kernels.gemm_cublas finds it gives their bits."""
 
 NO_ROUTES = "-routes"
 """Engine-name suffix (before +triton): a Qwen3-MoE engine that does not return its tokens' experts (vLLM's
@@ -374,7 +374,7 @@ def worker(args) -> None:
         free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
         # GPU memory in use once started: vLLM's share (weights + KV cache) plus what it keeps beyond it
         # (CUDA graphs' pool, its context), so two engines with the same share compare their graphs' memory
-        from kernels import gemm_cublas
+        from spirl_kernels import gemm_cublas
 
         emit({"kind": "engine", "engine_start_s": round(start, 1), "gpu": gpu,
               "gpu_used_gib": round((total - free) / 2**30, 2), "gemm_checked": gemm_cublas.checked(),

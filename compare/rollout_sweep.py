@@ -63,7 +63,7 @@ def odd_sizes(capture: list[int]) -> list[int]:
 DEFAULT_BATCHES = (1, 2, 3, 4, 8, 16, 24, 32, 64, 65, 96, 128, 129, 160, 192, 200, 224, 255, 256, 257,
                    320, 384, 448, 512)
 """The default decode batch sizes (24): the README table's 1/8/64/256; both sides of every
-kernels.gemm.pick_config boundary a decode step reaches (16/24, 64/72, 128/136, 256/272, 512); the issue's
+spirl_kernels.gemm.pick_config boundary a decode step reaches (16/24, 64/72, 128/136, 256/272, 512); the issue's
 128-256 range every 32 (and 200); and five sizes that are not capture sizes (3, 65, 129, 255, 257).
 Under CUDA graphs a decode step's GEMMs run the padded size (17 rows run as 24, 257 as 272): a
 decode GEMM's row count is always a capture size, in both engines, and an odd batch adds only the

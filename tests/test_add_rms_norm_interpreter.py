@@ -1,4 +1,4 @@
-"""kernels/add_rms_norm.py on CPU, in Triton's interpreter: the one-pass tile's indexing and math.
+"""spirl_kernels/add_rms_norm.py on CPU, in Triton's interpreter: the one-pass tile's indexing and math.
 
 Small-integer inputs make the residual add and the sum of squares exact in float32 whatever order they are added
 in, so the residual must equal the reference bit for bit, and so must every element the kernel must not touch
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 _INTERPRETED = r"""
 import torch
-from kernels.add_rms_norm import add_rms_norm_
+from spirl_kernels.add_rms_norm import add_rms_norm_
 
 torch.manual_seed(0)
 bad = []

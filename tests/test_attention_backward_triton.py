@@ -1,4 +1,4 @@
-"""The Triton attention backward (kernels/attention_backward.py) under the Triton interpreter, on CPU.
+"""The Triton attention backward (spirl_kernels/attention_backward.py) under the Triton interpreter, on CPU.
 
 The kernels run with TRITON_INTERPRET=1 in a subprocess (the variable is read when `@triton.jit`
 decorates a function, so it must be set before the module is imported, and setting it here would
@@ -83,7 +83,7 @@ def _worker() -> dict:
 
     sys.path.insert(0, str(ROOT))
     import batch_invariant_backward as bib
-    from kernels.attention_backward import AttentionBwdConfig, attention_backward
+    from spirl_kernels.attention_backward import AttentionBwdConfig, attention_backward
     from torchtitan_compat.attention import varlen_causal_attention
 
     _patch_interpreter_bf16_dot()
@@ -233,7 +233,7 @@ def test_rejects_unsupported_shapes():
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     sys.path.insert(0, str(ROOT))
-    from kernels.attention_backward import attention_backward
+    from spirl_kernels.attention_backward import attention_backward
 
     def call(hq=4, hk=2, d=64, dtype=torch.bfloat16):
         q, k = torch.zeros(8, hq, d, dtype=dtype), torch.zeros(8, hk, d, dtype=dtype)

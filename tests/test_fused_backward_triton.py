@@ -1,4 +1,4 @@
-"""The fused Triton backwards (kernels/pointwise_backward.py, kernels/logprob_backward.py) under the
+"""The fused Triton backwards (spirl_kernels/pointwise_backward.py, spirl_kernels/logprob_backward.py) under the
 Triton interpreter, on CPU, against the PyTorch form of the same math in float64.
 
 The kernels run with TRITON_INTERPRET=1 in a subprocess (the variable is read when `@triton.jit`
@@ -23,8 +23,8 @@ TOL = {"float32": 1e-5, "float16": 3e-3}
 WORKER = r'''
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from kernels.pointwise_backward import rms_norm_backward, swiglu_backward, rotary_backward
-from kernels.logprob_backward import entropy, logprob_backward
+from spirl_kernels.pointwise_backward import rms_norm_backward, swiglu_backward, rotary_backward
+from spirl_kernels.logprob_backward import entropy, logprob_backward
 
 def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))

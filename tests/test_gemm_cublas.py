@@ -1,4 +1,4 @@
-"""kernels.gemm_cublas's choice between cuBLAS and kernels.gemm, on CPU with stand-ins for both kernels (the bits
+"""spirl_kernels.gemm_cublas's choice between cuBLAS and spirl_kernels.gemm, on CPU with stand-ins for both kernels (the bits
 themselves are tests/gpu/test_gemm_cublas_gpu.py's)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from kernels import gemm, gemm_cublas
+from spirl_kernels import gemm, gemm_cublas
 
 
 @pytest.fixture
@@ -61,15 +61,15 @@ def test_each_product_is_checked_once_then_runs_cublas(route):
 def test_other_bits_fall_back_to_triton_and_are_logged_once(route, caplog):
     route["cublas_off"].add(72)
     w = bf16(64, 32)
-    with caplog.at_level(logging.WARNING, logger="kernels.gemm_cublas"):
+    with caplog.at_level(logging.WARNING, logger="spirl_kernels.gemm_cublas"):
         for seed in range(3):
             x = bf16(72, 32, seed=seed)
             assert torch.equal(gemm_cublas.matmul(x, w), gemm.matmul(x, w))
     assert route["calls"]["cublas"] == 1  # the check's probe only
     assert gemm_cublas.checked() == {"cublas": 0, "other_bits": 1, "triton_faster": 0}
     assert [r.getMessage() for r in caplog.records if "other bits" in r.getMessage()] == [
-        ("kernels.gemm_cublas: cuBLAS gave other bits than the batch-invariant kernel for [72 x 32] @ [32 x 64]; "
-         "that product runs kernels.gemm (same bits as vLLM's, slower)")]
+        ("spirl_kernels.gemm_cublas: cuBLAS gave other bits than the batch-invariant kernel for [72 x 32] @ [32 x 64]; "
+         "that product runs spirl_kernels.gemm (same bits as vLLM's, slower)")]
     assert gemm_cublas.use_cublas(bf16(100, 32), w)  # another row count is its own product
 
 
@@ -102,8 +102,8 @@ def test_lm_head_rows_layouts_and_dtypes_stay_on_triton(route):
 
 def test_lm_head_at_1_to_64_rows_runs_the_faster_on_this_gpu(route, caplog):
     head = bf16(70000, 32)
-    route["us"] = lambda m: (150.0, 140.0) if m == 8 else (140.0, 150.0)  # kernels.gemm faster at 8 rows only
-    with caplog.at_level(logging.INFO, logger="kernels.gemm_cublas"):
+    route["us"] = lambda m: (150.0, 140.0) if m == 8 else (140.0, 150.0)  # spirl_kernels.gemm faster at 8 rows only
+    with caplog.at_level(logging.INFO, logger="spirl_kernels.gemm_cublas"):
         assert gemm_cublas.use_cublas(bf16(1, 32), head)
         assert not gemm_cublas.use_cublas(bf16(8, 32), head)
         assert gemm_cublas.use_cublas(bf16(64, 32), head)
@@ -112,7 +112,7 @@ def test_lm_head_at_1_to_64_rows_runs_the_faster_on_this_gpu(route, caplog):
     assert route["timed"] == [1, 8, 64]
     assert gemm_cublas.checked() == {"cublas": 2, "other_bits": 0, "triton_faster": 1}
     assert [r.getMessage() for r in caplog.records if "takes" in r.getMessage()][1] == (
-        "kernels.gemm_cublas: [8 x 32] @ [32 x 70000] takes 150.0 us on cuBLAS, 140.0 on kernels.gemm: kernels.gemm")
+        "spirl_kernels.gemm_cublas: [8 x 32] @ [32 x 70000] takes 150.0 us on cuBLAS, 140.0 on spirl_kernels.gemm: spirl_kernels.gemm")
     x = bf16(8, 32, seed=2)
     calls = dict(route["calls"])
     assert torch.equal(gemm_cublas.matmul(x, head), gemm.matmul(x, head))

@@ -1,4 +1,4 @@
-"""kernels/gemm.py on CPU: every tile config's indexing (tails, masks, TMA boxes, the persistent kernel's
+"""spirl_kernels/gemm.py on CPU: every tile config's indexing (tails, masks, TMA boxes, the persistent kernel's
 tile walk) in Triton's interpreter, and `pick_config`'s names.
 
 The interpreter computes each `tl.dot` with NumPy, so equality here says nothing about GPU bits (those are
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.gemm import CONFIGS, pick_config
+from spirl_kernels.gemm import CONFIGS, pick_config
 
 _INTERPRETED = r"""
 import torch
-import kernels.gemm as gemm
+import spirl_kernels.gemm as gemm
 from tests import interpreter_bf16_dot
 
 interpreter_bf16_dot.patch()  # else the interpreter's bf16 tl.dot multiplies bit patterns (that module's doc)
@@ -78,7 +78,7 @@ def test_decode_steps_of_65_to_512_rows_take_masked_or_tma_tiles():
 
 _STREAMK = r"""
 import torch
-import kernels.gemm as gemm
+import spirl_kernels.gemm as gemm
 from triton.tools.tensor_descriptor import TensorDescriptor as D
 
 # float32 (the interpreter's bf16 dot is not the GPU's): the stream-K kernel against the persistent kernel
@@ -124,7 +124,7 @@ def test_deep_pipeline_decode_tiles_are_picked_only_where_they_make_one_wave():
     where K is at least 2560 (at K = 2048 the persistent kernel was faster there: Qwen3-1.7B qkv, H100, 2026-11-27)."""
     import triton
 
-    from kernels.gemm import _H100_SMS
+    from spirl_kernels.gemm import _H100_SMS
 
     deep = ("dec_m64_n64_s8", "ws_m64_n128_s8", "ws_m128_n64_s8", "ws_m128_n128_s6", "ws_m64_n256_s5")
     seen = set()
@@ -143,7 +143,7 @@ def test_pointer_tiles_stay_where_they_make_one_wave_at_up_to_128_rows():
     them; at 8B down (K = 12,288) the warp-specialized tiles won (128 rows: 43.9 us against 48.2)."""
     import triton
 
-    from kernels.gemm import _H100_SMS
+    from spirl_kernels.gemm import _H100_SMS
 
     for shape, layer, n, k, m, config in _decode_step_picks():
         if m <= 128 and triton.cdiv(m, 64) * triton.cdiv(n, 64) <= _H100_SMS:

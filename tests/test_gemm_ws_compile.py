@@ -1,4 +1,4 @@
-"""kernels/gemm_ws.py on the CPU: every warp-specialized config compiles for sm_90 (the H100) with the installed
+"""spirl_kernels/gemm_ws.py on the CPU: every warp-specialized config compiles for sm_90 (the H100) with the installed
 Triton, fits an SM's shared memory, and is the kernel its docstring describes: TMA loads and wgmma, no per-thread
 cp.async copies. Compiling needs no GPU; whether its outputs are vLLM's bits is tests/gpu/test_gemm.py's
 (every config against vLLM's kernel, bit for bit)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import gemm, gemm_ws
+from spirl_kernels import gemm, gemm_ws
 
 WS_CONFIGS = [c for c in gemm.CONFIGS if c.startswith("ws_")]
 SWAPPED_CONFIGS = [c for c in gemm.CONFIGS if c.startswith("wsx_")]

@@ -1,4 +1,4 @@
-"""kernels/launch.py without a GPU: which calls go through the JIT, what the direct launch passes, and the key."""
+"""spirl_kernels/launch.py without a GPU: which calls go through the JIT, what the direct launch passes, and the key."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import inspect
 import pytest
 import torch
 
-from kernels import launch as launch_mod
-from kernels.launch import cdiv, next_power_of_2
+from spirl_kernels import launch as launch_mod
+from spirl_kernels.launch import cdiv, next_power_of_2
 
 
 class FakeCompiled:

@@ -2,7 +2,7 @@
 circle anywhere in the tree.
 
 Layer of each top-level name (a module may import its own layer or any layer below, never above):
-    0  kernels/, batch_invariant_backward.py   kernels and their autograd wrappers
+    0  spirl_kernels/, batch_invariant_backward.py   kernels and their autograd wrappers
     1  torchtitan_compat/                        the model, its config, kernel backends, tokenizer, LoRA
     2  weights.py, weights_vllm_compat.py        checkpoints and layouts
     3  spirl/                                    the product (its own groups below)
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"kernels": 0, "batch_invariant_backward": 0, "torchtitan_compat": 1, "weights": 2,
+LAYERS = {"spirl_kernels": 0, "batch_invariant_backward": 0, "torchtitan_compat": 1, "weights": 2,
           "weights_vllm_compat": 2, "spirl": 3, "compare": 4, "simple_rl": 4}
 NOT_SOURCE = {"docs", "runs", "build", "dist"}
 """Top-level directories that hold no project source (besides hidden ones, virtual environments and
@@ -169,6 +169,19 @@ def test_every_project_package_has_a_layer():
     tops = {p.name.removesuffix(".py") for p in ROOT.iterdir()
             if (p.suffix == ".py" or (p / "__init__.py").is_file()) and p.name not in ("tests",)}
     assert tops <= set(LAYERS), f"give these a layer in tests/test_layering.py: {sorted(tops - set(LAYERS))}"
+
+
+THIRD_PARTY_TOPS = {"kernels", "vllm", "torch", "triton", "transformers", "trl", "peft", "tinker", "tinker_cookbook",
+                    "datasets", "safetensors", "huggingface_hub", "accelerate", "torchtitan", "reasoning_gym",
+                    "math_verify", "tensorboard"}
+"""Top-level modules of the libraries the project runs beside. `kernels` is Hugging Face's kernel hub package,
+which transformers and TRL import (`from kernels import get_kernel`): a project package of that name, first on
+sys.path from the checkout and installed as a top-level package by pip, would stand in its place."""
+
+
+def test_no_project_package_shadows_a_library():
+    tops = {name.split(".")[0] for name in source_files()}
+    assert not tops & THIRD_PARTY_TOPS, f"rename these project packages: {sorted(tops & THIRD_PARTY_TOPS)}"
 
 
 # -- the groups of spirl/ -----------------------------------------------------------------------------------

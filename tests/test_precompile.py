@@ -25,9 +25,9 @@ def _args(shape: str):
 def test_key_rows_reach_every_gemm_key(shape):
     """Every compiled-kernel key (tile config, row specialization, warp-specialized row-tail boxes) that 1..16,384
     rows give any linear of the shape, computed by brute force here, is given by one of the few rows key_rows
-    returns; and each returned row count adds a key. The row-tail boxes (kernels/gemm_ws.py) add most of them, at
+    returns; and each returned row count adds a key. The row-tail boxes (spirl_kernels/gemm_ws.py) add most of them, at
     65-512 rows: 35 rows at Qwen3-1.7B, 61 at 8B when written (17-19 without them)."""
-    from kernels.gemm import compile_key
+    from spirl_kernels.gemm import compile_key
 
     body, head = pc.linear_shapes(_args(shape))
     assert len(body) == 4 and head[0] == 151936
@@ -46,7 +46,7 @@ def test_key_rows_reach_every_gemm_key(shape):
 def test_compile_key_tells_row_tails_apart():
     """136 and 144 rows of Qwen3-8B's down projection run the same warp-specialized config with other tail boxes
     (8 and 16 rows past the last full tile): two compiled kernels; 256 and 384 rows leave no tail."""
-    from kernels.gemm import compile_key, pick_config
+    from spirl_kernels.gemm import compile_key, pick_config
 
     n, k = 4096, 12288
     assert pick_config(136, n, k) == pick_config(144, n, k) and pick_config(136, n, k).startswith("ws_")
@@ -137,7 +137,7 @@ def test_logprob_backward_kernel_ignores_the_alignment_of_row_slices():
     a chunk's slice may start 8 bytes past a 16-byte boundary; a kernel specialized on their alignment built a
     second variant in the middle of step 1 (H100, 2026-11-26). They are not specialized on."""
     pytest.importorskip("triton")
-    from kernels.logprob_backward import _logprob_bwd_kernel
+    from spirl_kernels.logprob_backward import _logprob_bwd_kernel
 
     names = {_logprob_bwd_kernel.arg_names[i] if isinstance(i, int) else i for i in _logprob_bwd_kernel.do_not_specialize}
     assert {"IDS", "G", "E"} <= names

@@ -1,4 +1,4 @@
-"""kernels.qk_norm_rope on CPU: a row block that would reduce rows in another order than vLLM's norm is
+"""spirl_kernels.qk_norm_rope on CPU: a row block that would reduce rows in another order than vLLM's norm is
 refused before any kernel runs, and in Triton's interpreter the multi-row kernel and the q+k launch write
 the same rows as the one-row kernel (the kernels' bits are proven against vLLM's ops in
 tests/gpu/test_ops_vs_vllm.py)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.qk_norm_rope import default_rows, norm_rope, norm_rope_qk
+from spirl_kernels.qk_norm_rope import default_rows, norm_rope, norm_rope_qk
 
 
 @pytest.mark.parametrize("rows,d,why", [(0, 128, "power of two"), (3, 128, "power of two"), (24, 128, "power of two"),
@@ -37,7 +37,7 @@ def test_default_rows():
 
 _INTERPRETED = r"""
 import torch
-from kernels.qk_norm_rope import norm_rope, norm_rope_qk
+from spirl_kernels.qk_norm_rope import norm_rope, norm_rope_qk
 
 torch.manual_seed(0)
 for t, hq, hk, d, wider in [(37, 16, 8, 128, 3), (5, 8, 2, 64, 1), (9, 4, 4, 256, 2)]:

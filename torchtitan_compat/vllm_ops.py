@@ -2,14 +2,14 @@
 
 Which kernel vLLM runs for each op (read from its source, measured on an H100; see
 docs/vllm-0.26-forward-path.md):
-    linear (every projection and lm_head)  kernels.gemm.matmul          (Triton; vLLM's linear_batch_invariant
+    linear (every projection and lm_head)  spirl_kernels.gemm.matmul          (Triton; vLLM's linear_batch_invariant
                                             bit for bit, tiles tuned by row count; vllm_patches
                                             makes the engine run it too)
     RMSNorm, incl. q/k norm per head       rms_norm_batch_invariant     (Triton; no residual path,
                                             see vllm_patches.py for why the residual add is separate)
     SiLU-and-mul                           torch.ops._C.silu_and_mul    (CUDA)
     rotary (neox, in place)                torch.ops._C.rotary_embedding (CUDA)
-    q/k RMSNorm + rotary (Qwen3)           kernels.qk_norm_rope (Triton; the two ops above in one
+    q/k RMSNorm + rotary (Qwen3)           spirl_kernels.qk_norm_rope (Triton; the two ops above in one
                                             pass, bit for bit; the trainer's only, vLLM runs two)
     attention                              FlashAttention 3 varlen, num_splits=1
     MoE routing (Qwen3-MoE)                torch.ops._moe_C.topk_softmax (CUDA; vLLM's fused_topk)
@@ -113,8 +113,8 @@ class VLLMBackend:
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
         from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-        from kernels.gemm import matmul
-        from kernels.qk_norm_rope import fusable, norm_rope_qk
+        from spirl_kernels.gemm import matmul
+        from spirl_kernels.qk_norm_rope import fusable, norm_rope_qk
 
         if sampler not in SAMPLERS:
             raise BackendError(f"unknown vLLM sampler {sampler!r}; choose one of {SAMPLERS}")

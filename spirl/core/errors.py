@@ -52,7 +52,7 @@ EXIT_BUG = 70
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
-_PROJECT_PACKAGES = {"spirl", "torchtitan_compat", "weights", "weights_vllm_compat", "compare", "kernels",
+_PROJECT_PACKAGES = {"spirl", "torchtitan_compat", "weights", "weights_vllm_compat", "compare", "spirl_kernels",
                      "batch_invariant_backward", "simple_rl"}
 _IO_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 

@@ -234,7 +234,7 @@ class VLLMEngine:
         self.asleep = False
         self.start_seconds = time.perf_counter() - t0
         sizes = self.llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes or []
-        from kernels import gemm_cublas
+        from spirl_kernels import gemm_cublas
 
         gemms = gemm_cublas.checked()
         log.info("vLLM engine ready in %.1fs (%s, cuda graphs: %s, %d sizes up to %s tokens; GEMM products on cuBLAS "

@@ -2,7 +2,7 @@
 
 Triton compiles a kernel the first time it meets a new *key*: the kernel's constexprs (tile configs chosen from
 the shapes), num_warps/num_stages, each integer argument's specialization (1, a multiple of 16, or neither), and
-the shapes of its TMA boxes (the warp-specialized GEMM's row tails: `kernels.gemm.compile_key`).
+the shapes of its TMA boxes (the warp-specialized GEMM's row tails: `spirl_kernels.gemm.compile_key`).
 On a cold cache (a new machine, a new Triton) step 1 of a GRPO run used to compile ~9 s of the trainer's
 backward kernels inside the step, and the first rollout compiled the engine's prefill kernels at each new token
 count (docs/cold-start.md). A warm cache loads them in milliseconds, but the loads still happen inside step 1.
@@ -119,10 +119,10 @@ def linear_shapes(model_args) -> tuple[list[tuple[int, int]], tuple[int, int]]:
 
 def key_rows(shapes: list[tuple[int, int]], limit: int) -> list[int]:
     """The fewest row counts up to `limit`, in order, that give every key the batch-invariant GEMM can take
-    over `shapes` for 1..limit rows: for each (N, K), `kernels.gemm.compile_key` (the tile config, the row
+    over `shapes` for 1..limit rows: for each (N, K), `spirl_kernels.gemm.compile_key` (the tile config, the row
     count's Triton specialization, the warp-specialized kernels' row-tail boxes). A row count is kept when it is
     the first to give some shape a new key. Pure Python (no GPU)."""
-    from kernels.gemm import compile_key
+    from spirl_kernels.gemm import compile_key
 
     seen: set = set()
     rows = []

@@ -9,7 +9,7 @@ Patch 1 - residual add + RMSNorm (vLLM 0.26.0, `VLLM_BATCH_INVARIANT=1`):
     else is batched with it, and decode-time logprobs differ from prefill-time ones (measured: 25
     to 113 of 512 sampled tokens; docs/vllm-0.26-forward-path.md section 3).
     What: `residual = bf16(x + residual)` (the exact value the fused op writes), then the Triton
-    batch-invariant RMSNorm of the new residual, as one kernel (`kernels.add_rms_norm`: the same
+    batch-invariant RMSNorm of the new residual, as one kernel (`spirl_kernels.add_rms_norm`: the same
     add, rounding and reduction, bitwise the two-kernel path; one launch and one pass fewer per
     norm, which counts at decode sizes); other layouts take the two kernels. The trainer
     (`torchtitan_compat/model.py`) computes the residual stream the same way, so both sides run
@@ -19,17 +19,17 @@ Patch 2 - the batch-invariant linear layers' GEMM (vLLM 0.26.0, `VLLM_BATCH_INVA
     Why: vLLM's unquantized linear layers and lm_head call `linear_batch_invariant`, one Triton
     config (128x128 tiles) for every row count. At decode (one row per sequence) that launches as
     few as 16 programs for a 2048-wide output on a 132-SM GPU: the decode step is several times
-    slower than cuBLAS. `kernels.gemm.matmul` keeps vLLM's reduction order exactly (BLOCK_K 64,
+    slower than cuBLAS. `spirl_kernels.gemm.matmul` keeps vLLM's reduction order exactly (BLOCK_K 64,
     the same K loop, fp32 accumulator, one rounding), so its output is bitwise vLLM's for every
     row, and picks its tile shape by the row count for speed (tests/gpu/test_gemm.py proves the
     bits). The trainer's linear layers run the same kernel. On Hopper the engine runs cuBLAS instead
     wherever cuBLAS, set up without split-K as vLLM's batch-invariant mode sets it up there, is checked
-    to give that kernel's bits for the product (`kernels.gemm_cublas`: up to 1.7x faster at a decode
+    to give that kernel's bits for the product (`spirl_kernels.gemm_cublas`: up to 1.7x faster at a decode
     step's 65-512 rows; each (M, N, K) checked on its first eager call, and lm_head at 1-64 rows also timed
     against that kernel there, since which is faster depends on the GPU).
     What: the name `linear_batch_invariant` in vLLM's `linear` and `vocab_parallel_embedding`
     modules (where `UnquantizedLinearMethod.apply` and `UnquantizedEmbeddingMethod.apply` look it
-    up) is rebound to a function of the same signature that calls `kernels.gemm_cublas.matmul` on the weight's plain
+    up) is rebound to a function of the same signature that calls `spirl_kernels.gemm_cublas.matmul` on the weight's plain
     tensor (`.data`: vLLM's parameter classes define a Python `__torch_function__`, which each of the shape,
     stride and pointer reads of an eager launch would go through; lm_head runs eagerly every decode step).
 
@@ -38,9 +38,9 @@ Patch 3 - Qwen3's q/k RMSNorm + rotary in the engine (vLLM 0.26.0, `VLLM_BATCH_I
     each strided slice of the qkv output, then the Triton `_rms_norm_kernel`) and rotates them in place
     (`rotary_embedding`): six kernels per layer. Profiled at Qwen3-8B, 128 prompts x 2048 tokens
     (H100), they took 7.5 % of the prefill's GPU time (docs/rollout-engine.md). The trainer already
-    runs them as one pass, `kernels.qk_norm_rope`, proven bitwise equal to these modules on strided
+    runs them as one pass, `spirl_kernels.qk_norm_rope`, proven bitwise equal to these modules on strided
     qkv slices (tests/gpu/test_ops_vs_vllm.py).
-    What: `Qwen3Attention.forward` computes q and k with `kernels.qk_norm_rope` when the layer's modules
+    What: `Qwen3Attention.forward` computes q and k with `spirl_kernels.qk_norm_rope` when the layer's modules
     are the ones that kernel reproduces (`fused_qk`: RMSNorm and neox RotaryEmbedding dispatched to
     their CUDA forwards, full rotary, batch-invariant mode); any other layer runs vLLM's own forward.
 
@@ -100,7 +100,7 @@ def _patch_residual_rms_norm() -> None:
         rms_norm_batch_invariant as triton_rms_norm,
     )
 
-    from kernels.add_rms_norm import add_rms_norm_, fusable
+    from spirl_kernels.add_rms_norm import add_rms_norm_, fusable
 
     def rms_norm_separate_residual_add(input, weight, eps=1e-6, residual=None):
         if residual is None:
@@ -118,7 +118,7 @@ def _patch_linear_gemm() -> None:
     import vllm.model_executor.layers.linear as linear
     import vllm.model_executor.layers.vocab_parallel_embedding as vocab
 
-    from kernels.gemm_cublas import matmul
+    from spirl_kernels.gemm_cublas import matmul
 
     def linear_batch_invariant_tuned(input, weight, bias=None):
         if type(weight) is not torch.Tensor:  # vLLM's parameter classes run a Python `__torch_function__` on every
@@ -146,7 +146,7 @@ def _patch_moe_configs() -> None:
 
 
 def _reproducible_qk_modules(attn) -> bool:
-    """Whether `kernels.qk_norm_rope` computes exactly what this Qwen3Attention's q_norm, k_norm and
+    """Whether `spirl_kernels.qk_norm_rope` computes exactly what this Qwen3Attention's q_norm, k_norm and
     rotary_emb compute: vLLM's RMSNorm on its CUDA path in batch-invariant mode (the Triton norm),
     passing its weight, no variance override; vLLM's base RotaryEmbedding on its CUDA kernel (not
     FlashInfer), neox style, rotating the whole head. Checked once per layer (module attributes)."""
@@ -175,10 +175,10 @@ def _qk_gate(attn) -> bool:
 
 
 def fused_qk(attn, positions, q, k):
-    """(q, k) of `Qwen3Attention` - per-head RMSNorm then rotary - by `kernels.qk_norm_rope`, each a new
+    """(q, k) of `Qwen3Attention` - per-head RMSNorm then rotary - by `spirl_kernels.qk_norm_rope`, each a new
     contiguous [T, heads * head_dim] tensor; None where the kernel does not reproduce the layer's modules
     (the caller then runs vLLM's forward). q, k: the [T, heads * head_dim] slices of the qkv output."""
-    from kernels.qk_norm_rope import fusable, norm_rope_qk
+    from spirl_kernels.qk_norm_rope import fusable, norm_rope_qk
 
     if not _qk_gate(attn) or q.dim() != 2 or positions.dim() != 1:
         return None

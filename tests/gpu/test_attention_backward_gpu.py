@@ -1,4 +1,4 @@
-"""The Triton attention backward (kernels/attention_backward.py) on the GPU, at realistic shapes.
+"""The Triton attention backward (spirl_kernels/attention_backward.py) on the GPU, at realistic shapes.
 
     VLLM_BATCH_INVARIANT=1 python -m pytest tests/gpu/test_attention_backward_gpu.py -v
 
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import batch_invariant_backward as bib
-from kernels.attention_backward import attention_backward
+from spirl_kernels.attention_backward import attention_backward
 from torchtitan_compat.attention import varlen_causal_attention
 
 REL_TOL = 2e-2

@@ -1,6 +1,6 @@
-"""kernels.gemm.matmul against vLLM 0.26's own batch-invariant GEMM, bit for bit.
+"""spirl_kernels.gemm.matmul against vLLM 0.26's own batch-invariant GEMM, bit for bit.
 
-Every tile config in `kernels.gemm.CONFIGS` (the row-count-tuned ones the engine and trainer pick,
+Every tile config in `spirl_kernels.gemm.CONFIGS` (the row-count-tuned ones the engine and trainer pick,
 and two that are never picked) must give exactly vLLM's `linear_batch_invariant` output, at the
 Qwen3-1.7B linear shapes and row counts from decode (1) to training (4096), including row counts
 that are not multiples of any tile. This is what lets the engine (patched to call this kernel)
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemm import CONFIGS, matmul
+from spirl_kernels.gemm import CONFIGS, matmul
 
 # Qwen3-1.7B: qkv, o, gate_up, down projections (N, K), and one odd shape; lm_head is checked separately
 SHAPES = [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144),
@@ -45,7 +45,7 @@ def test_every_config_is_vllms_gemm_bitwise(vllm_linear, n, k, config):
 def test_warp_specialized_row_tails_are_vllms_bits(vllm_linear, config):
     """Decode-step row counts whose last row tile is part-filled (8, 16, 24, 40, ... rows past the last full
     tile, and two not multiples of 8): that tile loads only a box of its first rows and the rest of its shared
-    memory holds stale values (kernels/gemm_ws.py, "Row tails"); the rows stored are still vLLM's bits."""
+    memory holds stale values (spirl_kernels/gemm_ws.py, "Row tails"); the rows stored are still vLLM's bits."""
     for n, k in [(4096, 2048), (2048, 6144)]:
         w = rand(n, k, seed=11)
         for m in (130, 136, 144, 152, 168, 200, 264, 330, 456):
@@ -59,7 +59,7 @@ def test_persistent_row_tails_are_vllms_bits(vllm_linear, config):
     16-64-row box with the operands swapped (`persistent_tail`), and spreads its tiles over a program count that
     shares no factor with the row tiles (`persistent_programs`: more tiles than SMs at 12288 and 24576 wide); every
     stored row is still vLLM's bits, and the rows of a full tile and of the tail agree with a call on them alone."""
-    from kernels.gemm import persistent_tail
+    from spirl_kernels.gemm import persistent_tail
 
     for n, k in [(12288, 2048), (24576, 1024), (1000, 1000)]:
         w = rand(n, k, seed=12)

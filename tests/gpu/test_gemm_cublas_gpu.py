@@ -1,4 +1,4 @@
-"""kernels.gemm_cublas (the engine's GEMM) against vLLM 0.26's batch-invariant GEMM, bit for bit, with cuBLAS set up
+"""spirl_kernels.gemm_cublas (the engine's GEMM) against vLLM 0.26's batch-invariant GEMM, bit for bit, with cuBLAS set up
 as vLLM's batch-invariant mode sets it up.
 
 That set-up (a 1 KiB cuBLASLt workspace: no split-K) is read when the process makes its first cuBLAS handle, so
@@ -33,7 +33,7 @@ def _sweep(shape: str) -> dict:
     from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
 
     import weights_vllm_compat
-    from kernels import gemm_cublas
+    from spirl_kernels import gemm_cublas
     from torchtitan_compat.config import hf_config_for_shape, model_args_from_hf_config
 
     shapes = weights_vllm_compat.linear_shapes(model_args_from_hf_config(hf_config_for_shape(shape)))
@@ -48,7 +48,7 @@ def _sweep(shape: str) -> dict:
     other = [[m, n, k] for (m, n, k, _), found in gemm_cublas._checked.items() if found == gemm_cublas.OTHER_BITS]
 
     # a CUDA graph captured before the product was checked (Triton) and after (cuBLAS): vLLM's bits on replay
-    from kernels import gemm
+    from spirl_kernels import gemm
 
     n, k = shapes["gate_up"]
     w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
@@ -104,20 +104,20 @@ def test_cublas_gives_vllms_bits_on_hopper(sweeps, shape):
     got = sweeps[shape]
     assert got["other_bits"] == [], f"{shape}: cuBLAS gave other bits at (M, N, K) {got['other_bits'][:20]}"
     assert got["graphs"][1]["cublas"] is True  # the graph captured after the check recorded cuBLAS
-    # every product that may run on cuBLAS (not kernels.gemm_cublas.keep_triton) was checked and found equal; those
+    # every product that may run on cuBLAS (not spirl_kernels.gemm_cublas.keep_triton) was checked and found equal; those
     # `timed` were timed, and run cuBLAS where it was the faster
     found = got["checked"]
     assert found["cublas"] + found["triton_faster"] == got["cublas_products"] + 1  # + the graph case's product
     assert len(got["timings"]) == got["timed_products"] > 0
     assert found["triton_faster"] == sum(cublas_us >= triton_us for *_, cublas_us, triton_us in got["timings"])
-    print(f"{shape} lm_head, us a call (rows, cuBLAS, kernels.gemm):",
+    print(f"{shape} lm_head, us a call (rows, cuBLAS, spirl_kernels.gemm):",
           [(m, round(c, 1), round(t, 1)) for m, _, _, c, t in got["timings"]])
 
 
 def test_timing_measures_gpu_time():
     """`_gpu_us` counts the GPU's time, not the host's: three products a call take about three times one product's
     time (between 2.5x and 3.5x: the products are equal, so only timing noise separates the ratio from 3)."""
-    from kernels import gemm_cublas
+    from spirl_kernels import gemm_cublas
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(151936, 2048, generator=g, device="cuda").to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""kernels/launch.py on the GPU: after a kernel's first launch through Triton's JIT, later launches with the same
+"""spirl_kernels/launch.py on the GPU: after a kernel's first launch through Triton's JIT, later launches with the same
 specialization run the compiled kernel directly; every output stays bitwise what it was (vLLM's, for the GEMM).
 Each op is called several times on new tensors (new addresses) of one shape, and once on a view whose address is
 not 16-byte aligned, which Triton compiles separately (`launch` keys it apart)."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.gemm as gemm
-from kernels import launch
+import spirl_kernels.gemm as gemm
+from spirl_kernels import launch
 
-# one config per launch branch of kernels.gemm.matmul: TMA, stream-K, persistent (one-part with and without a row
+# one config per launch branch of spirl_kernels.gemm.matmul: TMA, stream-K, persistent (one-part with and without a row
 # tail, two-part), swapped pointer kernel, pointer kernel (masked, vLLM's, deep pipeline), warp-specialized (Gluon,
 # not through `launch`)
 CONFIGS = ["tma_m128_n128", "sk_m128_n256", "pers_m128_n256", "pers_m128_n128", "p2_m144_n256", "swp_m16_n32",
@@ -51,8 +51,8 @@ def test_the_second_launch_skips_the_jit(monkeypatch):
 def test_repeated_norm_launches_keep_their_bits():
     from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
 
-    from kernels.add_rms_norm import add_rms_norm_
-    from kernels.qk_norm_rope import norm_rope_qk
+    from spirl_kernels.add_rms_norm import add_rms_norm_
+    from spirl_kernels.qk_norm_rope import norm_rope_qk
     from torchtitan_compat.vllm_ops import VLLMBackend
 
     for seed in range(3):

@@ -77,11 +77,11 @@ def test_rms_norm_with_residual_is_patched_to_add_then_norm(pair):
 @pytest.mark.parametrize("n", [1024, 2048, 2560, 4096, 5120])
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_fused_add_rms_norm_equals_add_then_vllms_norm(n, rows):
-    """kernels.add_rms_norm (what the patched engine runs) == torch's bf16 add_, then vLLM's Triton
+    """spirl_kernels.add_rms_norm (what the patched engine runs) == torch's bf16 add_, then vLLM's Triton
     rms_norm_batch_invariant: the new residual and the output, bit for bit."""
     from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
 
-    from kernels.add_rms_norm import add_rms_norm_
+    from spirl_kernels.add_rms_norm import add_rms_norm_
 
     x, res, w = rand(rows, n, scale=3, seed=n + rows), rand(rows, n, seed=2), rand(n, seed=3)
     ref_res = res.clone()
@@ -139,7 +139,7 @@ def test_qk_norm_rope_equals_vllms_attention_path(pair):
 
 def test_engines_qwen3_attention_runs_the_fused_qk_with_vllms_bits(pair):
     """vllm_patches patch 3: the engine's own Qwen3Attention layers pass fused_qk's gate (so the patched
-    forward runs kernels.qk_norm_rope), and its q and k equal those of the layer's vLLM modules -
+    forward runs spirl_kernels.qk_norm_rope), and its q and k equal those of the layer's vLLM modules -
     q_norm/k_norm on the per-head views of the qkv slices, then rotary_emb in place - bit for bit."""
     from vllm.model_executor.models.qwen3 import Qwen3Attention
 
@@ -165,14 +165,14 @@ def test_engines_qwen3_attention_runs_the_fused_qk_with_vllms_bits(pair):
 @pytest.mark.parametrize("rows", [None, 1, "vllm_block", 16, 64])
 @pytest.mark.parametrize("hq,hk,d", [(16, 8, 128), (32, 8, 128), (40, 8, 128), (14, 2, 64), (8, 8, 256)])
 def test_fused_qk_norm_rope_kernel_equals_vllms_two_kernels(hq, hk, d, rows):
-    """kernels.qk_norm_rope against rms_norm_batch_invariant then torch.ops._C.rotary_embedding,
+    """spirl_kernels.qk_norm_rope against rms_norm_batch_invariant then torch.ops._C.rotary_embedding,
     over head counts and sizes, 3001 tokens (~100k rows, most counts leave a partial last block), random
     norm weights, long positions; one row per program, blocks of 1024 elements (vLLM's norm width) up
     to 64 rows, and the default choice; q alone, and q and k in one launch."""
     import vllm._custom_ops  # noqa: F401
     from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
 
-    from kernels.qk_norm_rope import VLLM_NORM_BLOCK, fusable, norm_rope, norm_rope_qk
+    from spirl_kernels.qk_norm_rope import VLLM_NORM_BLOCK, fusable, norm_rope, norm_rope_qk
     from torchtitan_compat.vllm_ops import VLLMBackend
 
     rows = VLLM_NORM_BLOCK // d if rows == "vllm_block" else rows

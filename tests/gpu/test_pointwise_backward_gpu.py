@@ -1,4 +1,4 @@
-"""The fused Triton backwards (kernels/pointwise_backward.py, kernels/logprob_backward.py) against
+"""The fused Triton backwards (spirl_kernels/pointwise_backward.py, spirl_kernels/logprob_backward.py) against
 the PyTorch float32 form of the same math, on the GPU at Qwen3-1.7B widths, and run twice.
 
 Inputs are bf16, as in training; the reference is the PyTorch path of `batch_invariant_backward`
@@ -79,7 +79,7 @@ def test_fused_backward_matches_pytorch_float32_and_is_deterministic(name, monke
 def test_fused_entropy_is_the_pytorch_entropy():
     z = rand(500, 151936, scale=3, seed=20)
     z[:, ::3] = float("-inf")  # min-p's cut entries
-    from kernels.logprob_backward import entropy
+    from spirl_kernels.logprob_backward import entropy
 
     got, want = entropy(z), bib._entropy(*bib._log_softmax_and_probs(z))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

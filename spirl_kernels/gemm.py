@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemm_tiles import BLOCK_K, tile_of
-from kernels.launch import cdiv, launch, next_power_of_2
+from spirl_kernels.gemm_tiles import BLOCK_K, tile_of
+from spirl_kernels.launch import cdiv, launch, next_power_of_2
 
 _log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def _bi_matmul_persistent_kernel(a_desc, a2_desc, b_desc, c_desc, c2_desc, M, N,
     TAIL > 0 (with BLOCK_M2 = 0; `persistent_tail`): M leaves a last row tile of at most 64 rows, and that tile
     is computed from a TAIL-row box only (`a2_desc` / `c2_desc` are [TAIL, BLOCK_K] / [TAIL, BLOCK_N] boxes), with
     the operands swapped as above: a full BLOCK_M box there would load mostly rows past M, which the TMA unit
-    zero-fills slowly, and its dot would multiply them (kernels/gemm_ws.py, "Row tails"). NUM_SMS is then the
+    zero-fills slowly, and its dot would multiply them (spirl_kernels/gemm_ws.py, "Row tails"). NUM_SMS is then the
     launch's program count, chosen so that a program's tiles fall in different row tiles (`persistent_programs`).
 
     Either way each element is one K loop in order, one `tl.dot` per 64-wide chunk into an fp32
@@ -362,7 +362,7 @@ CONFIGS = {
     # 7-8 stages keep as many bytes in flight per SM as two programs of 5 stages (`pick_config`).
     "dec_m64_n64_s8": (64, 64, 1, 4, 8),
     "dec_m64_n128_s7": (64, 128, 1, 4, 7),
-    # Warp-specialized TMA tiles (kernels/gemm_ws.py, issue 39): a loader warp keeps `num_stages` K
+    # Warp-specialized TMA tiles (spirl_kernels/gemm_ws.py, issue 39): a loader warp keeps `num_stages` K
     # chunks in flight while the MMA warps (num_warps) wait on mbarriers only. Off Hopper, or for tensors TMA cannot
     # address, the pointer kernel runs the same tile with rows past M masked (the same bits).
     "ws_m64_n64_s6": (64, 64, 8, 4, 6),
@@ -373,7 +373,7 @@ CONFIGS = {
     "ws_m128_n128_s6": (128, 128, 8, 4, 6),
     "ws_m64_n256_s5": (64, 256, 8, 4, 5),
     "ws_m128_n256_s4": (128, 256, 8, 8, 4),
-    # Swapped operands, warp-specialized (kernels/gemm_ws.py `_bi_matmul_ws_swapped_kernel`): one program
+    # Swapped operands, warp-specialized (spirl_kernels/gemm_ws.py `_bi_matmul_ws_swapped_kernel`): one program
     # per BLOCK_N weight rows covering up to BLOCK_M = 192 rows of x (128 + 8/16/32/64), each weight byte read once.
     # Off Hopper the pointer kernel runs 64 x min(BLOCK_N, 128) tiles instead (the same bits).
     "wsx_n128_s5": (192, 128, 1, 8, 5),
@@ -400,7 +400,7 @@ def pick_config(m: int, n: int, k: int) -> str:
     * 65-512 rows: a decode step replays the CUDA graph of the next capture size (multiples of 8 to 256, then of
       16), so every tile here is masked or TMA-loaded (unmasked pointer tiles were 1.3-2x slower at row counts such
       as 72, 136, 200, 272):
-        - `_warp_specialized_pick` first (kernels/gemm_ws.py): the one-wave warp-specialized tile with the most
+        - `_warp_specialized_pick` first (spirl_kernels/gemm_ws.py): the one-wave warp-specialized tile with the most
           programs (its docstring);
         - wider than 8192 at 129-192 rows: the swapped warp-specialized kernel over every row at once, each weight
           byte read once (256 weight rows per program where that makes one wave over at least half the SMs, else
@@ -457,7 +457,7 @@ def pick_config(m: int, n: int, k: int) -> str:
 def compile_key(m: int, n: int, k: int) -> tuple:
     """What `matmul` at m rows of an [N, K] weight compiles: its config (`pick_config`), Triton's specialization of
     the row count (1, a multiple of 16, neither) and, for the warp-specialized configs, the TMA boxes of the rows
-    past the last full row tile (kernels/gemm_ws.py, "Row tails"), which are part of the compiled kernel. Two row
+    past the last full row tile (spirl_kernels/gemm_ws.py, "Row tails"), which are part of the compiled kernel. Two row
     counts with equal keys run one compiled kernel (spirl/loops/precompile.py builds each key once). The persistent
     kernel's row tail and program count (`persistent_tail`, `persistent_programs`) are constexprs too; the count is
     taken for an H100's 132 SMs, as `pick_config`'s waves are."""
@@ -467,7 +467,7 @@ def compile_key(m: int, n: int, k: int) -> tuple:
         return key + persistent_launch(m, n, config, _H100_SMS)
     if not config.startswith(("ws_", "wsx_")):
         return key
-    from kernels import gemm_ws
+    from spirl_kernels import gemm_ws
 
     block = CONFIGS[config][0]
     if config.startswith("ws_"):
@@ -488,7 +488,7 @@ def _warp_specialized_pick(m: int, n: int, k: int) -> str | None:
 
     Measured (H100, 2026-11-27, `6396e11:compare/bench_gemm.py --graph`, all bitwise vLLM's; the rollout profile:
     `6396e11:docs/rollout-profile.md`): the pointer kernel moved the same bytes as cuBLAS with 4x its instructions (ncu,
-    8B o at 160 rows), which a TMA loader warp removes (kernels/gemm_ws.py); with the last row tile loading only its own
+    8B o at 160 rows), which a TMA loader warp removes (spirl_kernels/gemm_ws.py); with the last row tile loading only its own
     rows ("Row tails" there), per 8B layer at 136 rows qkv + o + down 89.0 us against 101.7 with the full-box picks and
     cuBLAS's 84.1 (down 44.9 against 46.5); at 1.7B within 4 % of the best of the four tiles at 128-512 rows except qkv
     at 264-272 rows, where the K bound keeps the persistent kernel (15.9-16.4 us against 64x256's 15.2-15.5). Kept
@@ -580,8 +580,8 @@ def _streamk_flags(device: torch.device) -> torch.Tensor | None:
     flags = _STREAMK_FLAGS.get(device)
     if flags is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            _log.warning("kernels.gemm: a stream-K GEMM was first called inside CUDA-graph capture; the graph runs "
-                         "the same tiles without stream-K (same bits, slower). Call kernels.gemm.matmul once "
+            _log.warning("spirl_kernels.gemm: a stream-K GEMM was first called inside CUDA-graph capture; the graph runs "
+                         "the same tiles without stream-K (same bits, slower). Call spirl_kernels.gemm.matmul once "
                          "outside capture first.")
             return None
         flags = _STREAMK_FLAGS[device] = torch.zeros(_num_sms(device), dtype=torch.int32, device=device)
@@ -599,7 +599,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
     """x [..., K] @ w[N, K].T -> [..., N] in x's dtype (bf16), bitwise equal to vLLM's
     `linear_batch_invariant` for every row count."""
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise TypeError(f"kernels.gemm.matmul takes bf16 tensors, got {x.dtype} and {w.dtype}")
+        raise TypeError(f"spirl_kernels.gemm.matmul takes bf16 tensors, got {x.dtype} and {w.dtype}")
     lead = x.shape[:-1]
     a = x.reshape(-1, x.shape[-1])
     m, k = a.shape
@@ -640,7 +640,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: str | None = None) -> torch
                num_stages=stages)
         return c.reshape(*lead, n)
     if config.startswith(("ws_", "wsx_")):
-        from kernels import gemm_ws
+        from spirl_kernels import gemm_ws
 
         if gemm_ws.runs_on(x.device) and _tma_ok(a, w, c):
             if config.startswith("wsx_"):

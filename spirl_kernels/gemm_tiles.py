@@ -1,4 +1,4 @@
-"""What the batch-invariant GEMM kernels (kernels/gemm.py's Triton kernels, kernels/gemm_ws.py's Gluon kernels) share:
+"""What the batch-invariant GEMM kernels (spirl_kernels/gemm.py's Triton kernels, spirl_kernels/gemm_ws.py's Gluon kernels) share:
 vLLM's K step and the order in which programs take tiles. Below both, so neither imports the other."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ within 2 %. The swapped kernel loads its second part the same way and may be as 
 
 Bits. Each output element is one fp32 accumulator that walks K in 64-wide chunks in increasing order,
 one `warpgroup_mma` per chunk (four k=16 wgmma instructions, as `tl.dot` lowers it), zero-padded past
-K, rounded once to bf16: the conditions in kernels/gemm.py's module doc, so every config here is
+K, rounded once to bf16: the conditions in spirl_kernels/gemm.py's module doc, so every config here is
 bitwise vLLM's `linear_batch_invariant` (tests/gpu/test_gemm.py checks each one against it). Which
 warp loads a tile, and how many loads are in flight, do not enter any element's arithmetic.
 
@@ -49,8 +49,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from kernels.gemm_tiles import BLOCK_K, tile_of
-from kernels.launch import cdiv, next_power_of_2
+from spirl_kernels.gemm_tiles import BLOCK_K, tile_of
+from spirl_kernels.launch import cdiv, next_power_of_2
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 """TMA global -> shared load: `async_copy_global_to_shared` in Triton 3.6, renamed `async_load` later."""
@@ -217,7 +217,7 @@ def _bi_matmul_ws_swapped_kernel(w_desc, x1_desc, p1_desc, p2_desc, c_ptr, M, N,
     is read once: x's rows in two parts, T1 (x1_desc's box, from row 0) and T2 (from row T1, only the rows there
     are: p1_desc's box and, if TWO, p2_desc's, `row_pieces`), two accumulators [BLOCK_W, T1] and [BLOCK_W, T2]
     fed by the same weight chunk (a decode step of 129-192 rows is 128 + 8/16/32/64, no padding to 256: Gluon's
-    tensors, like Triton's, have power-of-two shapes). The operands' roles are swapped as in kernels/gemm.py's
+    tensors, like Triton's, have power-of-two shapes). The operands' roles are swapped as in spirl_kernels/gemm.py's
     `_bi_matmul_swap_kernel`, which gives vLLM's bits; each element is still one K loop in order, one
     `warpgroup_mma` per 64-wide chunk."""
     BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]

@@ -11,7 +11,7 @@ stream. This kernel computes, per row:
   * the sum of squares of r in vLLM's `_rms_norm_kernel`'s shape - a 1024-wide masked block per
     iteration, `tl.sum`, launched with the same (default) warps. The squares of bf16 values are
     exact in fp32, so the reduction tree alone fixes the sum, and identical code over an identically
-    shaped block compiles to the identical tree (as `kernels/qk_norm_rope.py`);
+    shaped block compiles to the identical tree (as `spirl_kernels/qk_norm_rope.py`);
   * out = bf16((float(r) * inv_rms) * float(w)), vLLM's step 3.
 
 The row is held as a [blocks, 1024] tile (each tile row one of vLLM's blocks), so x, the residual
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import launch
+from spirl_kernels.launch import launch
 
 VLLM_NORM_BLOCK = 1024
 """`rms_norm_batch_invariant`'s BLOCK_SIZE: the reduction's block shape, hence its bits."""

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import cdiv, launch
+from spirl_kernels.launch import cdiv, launch
 
 VLLM_NORM_BLOCK = 1024
 """`rms_norm_batch_invariant`'s BLOCK_SIZE: the reduction's block shape, hence its bits."""
