@@ -6,6 +6,8 @@ prompts a step, rounds of 4 with --oversample 2, a filter that keeps a group whe
 with an even token id, 3 steps):
     F    synchronous                          F2  F again          -> identical scalars and checkpoint bytes
     FK   --off-policy-steps 1                 FK2 FK again         -> identical
+and one more run with --off-policy-steps 1 whose later rounds take 3 s more each: their time is in the
+steps' time/rollout.
 """
 
 from __future__ import annotations
@@ -197,3 +199,27 @@ def test_counts_follow_the_filters_decisions(runs, name):
     assert any(m["dynamic/rounds"] > 1 for m in out[name]) and all(m["dynamic/groups_dropped"] for m in out[name])
     if name == "FK":
         assert [m["offpolicy/staleness"] for m in out[name]] == [0, 1, 1]
+
+
+def test_later_rounds_count_in_the_rollout_time_with_off_policy_steps(tiny_ckpt, tmp_path, monkeypatch):
+    """With K > 0 the first round is sampled beside the training and the later rounds of a filtered rollout by
+    the trainer, before its update: time/rollout holds both (the later rounds' time was once overwritten)."""
+    import time as clock
+
+    from spirl.loops import rollout
+    from spirl.loops.run import train
+
+    path = tmp_path / "my_filters.py"
+    path.write_text(FILTER)
+    real, delay = rollout.generate_round, 3.0  # far above the tiny model's first rounds (~0.3 s a step here)
+
+    def slow_later_rounds(run, step, r, prompts, carried=None):
+        if r > 0:
+            clock.sleep(delay)
+        return real(run, step, r, prompts, carried)
+
+    monkeypatch.setattr(rollout, "generate_round", slow_later_rounds)
+    out = train(_cfg(tiny_ckpt, tmp_path, "FT", f"{path}:first_even", off_policy_steps=1, checkpoint_every=0))
+    later = sum(m["dynamic/rounds"] - 1 for m in out)  # the trained rollouts' later rounds (at least these)
+    assert later >= 1
+    assert sum(m["time/rollout"] for m in out) >= delay * later

@@ -155,7 +155,9 @@ def run_step(run: Run, step: int, stop=None) -> dict | None:
         out["skipped_update"] = 0.0
     if following is not None:
         run.ahead.put(following.ready)
-        times["rollout"] = following.seconds  # beside the training: the part waited for is rollout_wait
+        # the engine's sampling beside the training (the part waited for is rollout_wait), plus what the trainer
+        # sampled itself this step: step 1's first K rollouts, and the later rounds of a filtered one (--filter)
+        times["rollout"] = times.get("rollout", 0.0) + following.seconds
     times["step"] = time.perf_counter() - start
     return {**out, **phase_metrics(times, world)}
 
