@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spirl.loops.timing import phase_metrics, timed
+from spirl.loops.timing import build_metrics, phase_metrics, timed
 
 
 class TwoRanks:
@@ -15,6 +15,9 @@ class TwoRanks:
 
     def gather(self, obj):
         return [obj, self.other]
+
+    def all_max(self, value: float) -> float:
+        return max(value, self.other["builds"])
 
 
 def test_one_rank_logs_its_phases_and_peaks():
@@ -35,3 +38,8 @@ def test_several_ranks_log_this_ranks_times_the_slowest_ranks_and_the_busiest_pe
     assert out["time/max/rollout"] == 4.6 and out["time/max/parity"] == 0.5 and out["time/max/reference"] == 0.1
     assert "time/reference" not in out  # a phase only the other rank had is not this rank's
     assert out["memory/peak_gib/rollout"] == 41.5 and "time/max/peak:rollout" not in out
+
+
+def test_kernel_builds_this_ranks_and_on_several_ranks_the_most_any_rank_built():
+    assert build_metrics(3) == {"triton/builds": 3.0}
+    assert build_metrics(0, TwoRanks({"builds": 5})) == {"triton/builds": 0.0, "triton/max/builds": 5.0}

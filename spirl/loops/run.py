@@ -27,6 +27,7 @@ from . import ahead, trainer
 from .evaluation import evaluate
 from .setup import Progress, Run, setup
 from .signals import Signals, interrupted
+from .timing import build_metrics
 
 log = logging.getLogger("spirl.loops.run")
 
@@ -99,9 +100,9 @@ def _step(run: Run, step: int) -> dict | None:
     if scalars is None:
         return None
     built = builds.names - before  # kernels compiled or loaded in this step, this rank
-    scalars["triton/builds"] = sum(built.values())
+    scalars.update(build_metrics(sum(built.values()), run.world))
     if built:
-        log.info("step %d built %d Triton kernels: %s", step, scalars["triton/builds"],
+        log.info("step %d built %d Triton kernels: %s", step, sum(built.values()),
                  ", ".join(f"{k} x{v}" for k, v in sorted(built.items())))
         for variant in builds.variants[first_variant:]:  # what a precompile would have to cover
             (log.info if cfg.precompile else log.debug)("step %d built %s", step, variant)

@@ -40,3 +40,12 @@ def phase_metrics(times: dict, world=None) -> dict[str, float]:
     for k, v in times.items():
         out[f"memory/peak_gib/{k[5:]}" if k.startswith("peak:") else f"time/{k}"] = v
     return out
+
+
+def build_metrics(built: int, world=None) -> dict[str, float]:
+    """triton/builds: the Triton kernels this rank built in the step; on several ranks (collective) also
+    triton/max/builds, the most any rank built (a rank that meets new shapes compiles while the others wait)."""
+    out = {"triton/builds": float(built)}
+    if world is not None and world.sharded:
+        out["triton/max/builds"] = float(world.all_max(float(built)))
+    return out
