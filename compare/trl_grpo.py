@@ -116,6 +116,19 @@ def trainer_args(a, batch: int, world: int, cuda: bool):
                               task_type="CAUSAL_LM")
 
 
+ASYNC_NEEDS_HUB_KERNELS = (
+    "AsyncGRPOTrainer left out: it computes attention with FlashAttention-3 fetched from the Hugging Face kernel hub "
+    "(TRL's async_grpo/packing.py: kernels.get_kernel), and the kernels package is not installed "
+    "(pip install kernels, on a machine that reaches the hub)")
+
+
+def hub_kernels_installed() -> bool:
+    """Whether Hugging Face's `kernels` package (the kernel hub client) is importable."""
+    import importlib.util
+
+    return importlib.util.find_spec("kernels") is not None
+
+
 def launch(model: str, gpus: int, out: Path, *, prompts_per_step: int, group_size: int, max_new_tokens: int,
            steps: int, skip: int, extra: tuple[str, ...] = (), layout: str = "colocate", max_staleness: int = 1,
            server_port: int = 8000) -> tuple[float | None, str]:
@@ -124,13 +137,16 @@ def launch(model: str, gpus: int, out: Path, *, prompts_per_step: int, group_siz
     process), "server" (GRPOTrainer) or "async" (AsyncGRPOTrainer, `max_staleness`) with a vLLM server on the GPU
     after the trainer's `gpus` (compare/trl_server.py; its log <out>-server.log; its context 1,024 tokens past
     the completions, at least 4,096: AsyncGRPOTrainer's micro-batch rows are that long by default). Returns (its
-    median step in seconds, its summary line), or (None, the log's tail) if it failed. `model`: a directory (TRL
-    reads one)."""
+    median step in seconds, its summary line), or (None, the log's tail) if it failed, or (None, why) if
+    AsyncGRPOTrainer cannot run here. `model`: a directory (TRL reads one)."""
     import shlex
     import subprocess
     from contextlib import nullcontext
 
     from compare import trl_server
+
+    if layout == "async" and not hub_kernels_installed():
+        return None, ASYNC_NEEDS_HUB_KERNELS
 
     launch = [sys.executable] if gpus == 1 else [
         sys.executable, "-m", "accelerate.commands.launch", f"--num_processes={gpus}", "--num_machines=1",

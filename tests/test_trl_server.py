@@ -130,3 +130,35 @@ def test_async_rows_render_to_the_tasks_prompt_ids(tiny_ckpt):
     assert sent.chat_template == trl_grpo.PASS_THROUGH_TEMPLATE
     assert getattr(sent, "response_template", None) or getattr(sent, "response_schema", None)
     assert not getattr(task.tokenizer, "response_template", None)
+
+
+def test_async_trainer_without_the_kernel_hub_is_left_out_before_any_server_starts(tmp_path, monkeypatch):
+    """AsyncGRPOTrainer fetches FlashAttention-3 from the Hugging Face kernel hub: without its client installed the
+    run is refused in one line, before minutes go into a server."""
+    def no_server(*a, **k):
+        raise AssertionError("a server was started")
+
+    monkeypatch.setattr(trl_grpo, "hub_kernels_installed", lambda: False)
+    monkeypatch.setattr(trl_server, "serve", no_server)
+    step, why = trl_grpo.launch("/unused", 1, tmp_path / "trl-async", prompts_per_step=2, group_size=2,
+                                max_new_tokens=4, steps=2, skip=0, layout="async")
+    assert step is None and why == trl_grpo.ASYNC_NEEDS_HUB_KERNELS and "\n" not in why
+
+
+def test_bench_keeps_the_server_anchor_when_the_async_trainer_cannot_run(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    from argparse import Namespace
+
+    from compare import offpolicy_bench
+
+    def fake_launch(model, gpus, out, *, layout, **kw):
+        return (None, trl_grpo.ASYNC_NEEDS_HUB_KERNELS) if layout == "async" else (6.5, "trl_grpo: median 6.5 s")
+
+    monkeypatch.setattr(trl_grpo, "launch", fake_launch)
+    a = Namespace(model=str(tiny_ckpt), out=str(tmp_path), trl=[], trl_server=[1], prompts_per_step=2, group_size=2,
+                  max_new_tokens=4, steps=2, skip=0, trl_args="", k=1)
+    assert offpolicy_bench.run_trl(a) == {"server-1+1": (2, 6.5)}
+    assert "trl-async-1+1: AsyncGRPOTrainer left out" in capsys.readouterr().out
+    fail = {"colocate": (None, "exit 1, no summary")}
+    monkeypatch.setattr(trl_grpo, "launch", lambda *x, layout, **k: fail.get(layout, (6.5, "")))
+    with pytest.raises(SystemExit):  # any other anchor failing still stops the bench
+        offpolicy_bench.run_trl(Namespace(**{**vars(a), "trl": [1], "trl_server": []}))
