@@ -100,9 +100,10 @@ def _step(run: Run, step: int) -> dict | None:
     if scalars is None:
         return None
     built = builds.names - before  # kernels compiled or loaded in this step, this rank
-    scalars.update(build_metrics(sum(built.values()), run.world))
+    count = sum(built.values())
+    scalars.update(build_metrics(count, run.world))
     if built:
-        log.info("step %d built %d Triton kernels: %s", step, sum(built.values()),
+        log.info("step %d built %d Triton kernels: %s", step, count,
                  ", ".join(f"{k} x{v}" for k, v in sorted(built.items())))
         for variant in builds.variants[first_variant:]:  # what a precompile would have to cover
             (log.info if cfg.precompile else log.debug)("step %d built %s", step, variant)
